@@ -1,0 +1,139 @@
+"""The ``minisparse`` command line: info, generate, tour and benchmarks.
+
+    minisparse info                          model shape, parameter count, cache location
+    minisparse generate "prompt" [--chat]    stream a continuation (or a chat answer)
+    minisparse tour                          the five-minute tour of the real model
+    minisparse bench decode                  minisparse vs transformers decode speed
+    minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="short name, local directory, .gguf file or Hugging Face id")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .loading import cache_dir, load
+    from .tour import describe
+
+    model, _ = load(args.model, device=args.device)
+    print(f"model:  {args.model}\nshape:  {describe(model)}\ndevice: {model.device}\n"
+          f"cache:  {cache_dir()}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .generate import generate
+    from .loading import load
+
+    model, tokenizer = load(args.model, device=args.device)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens,
+             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+             stream=True)
+    return 0
+
+
+def cmd_tour(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from .tour import run_tour
+
+    run_tour(out=Path(args.out))
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from .bench import bench_decode
+    from .loading import load, load_hf_reference
+    from .model import use_output_major_weights
+
+    model, tokenizer = load(args.model, device=args.device)
+    print("loading transformers' own model for the same checkpoint ...", flush=True)
+    hf_model, _ = load_hf_reference(args.model)
+    hf_model = hf_model.to(model.device).eval()
+    row_major, _ = load(args.model, device=args.device, input_major=False)
+    print(f"prompt: {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, batch 1, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats} after warm-up")
+    results = {
+        "minisparse (input-major weights)": bench_decode(
+            model, tokenizer, hf_model, args.prompt, args.max_new_tokens, args.repeats),
+        "minisparse (output-major weights)": bench_decode(
+            use_output_major_weights(row_major), tokenizer, hf_model, args.prompt,
+            args.max_new_tokens, args.repeats),
+    }
+    for name, r in results.items():
+        print(f"{name:36s} {r.minisparse_tok_s:6.1f} tok/s | transformers {r.transformers_tok_s:6.1f}"
+              f" tok/s | ratio {r.speedup:.2f}x | same tokens: {r.same_tokens}")
+    return 0 if all(r.same_tokens for r in results.values()) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minisparse", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="model shape, parameter count, cache location")
+    add_model_arguments(p)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("generate", help="stream a continuation of a prompt")
+    add_model_arguments(p)
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("tour", help="a five-minute tour of the real model")
+    p.add_argument("--out", default="minisparse-tour.png", help="where to save the figure")
+    p.set_defaults(func=cmd_tour)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("decode", help="greedy decode tokens/s: minisparse vs transformers")
+    add_model_arguments(p)
+    p.add_argument("--prompt", default="The Python language reference describes the syntax and")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(func=cmd_bench_decode)
+
+    try:
+        from . import kernel_bench
+    except ImportError:  # the sparse-FFN benchmark module is optional
+        kernel_bench = None
+    if kernel_bench is not None:
+        p = bench.add_parser("sparse-ffn", help="sparse FFN kernels vs dense and the ideal")
+        kernel_bench.add_arguments(p)
+        p.set_defaults(func=kernel_bench.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .loading import ModelLoadError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ModelLoadError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

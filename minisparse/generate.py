@@ -1,0 +1,181 @@
+"""Autoregressive generation: greedy, sampling (temperature, top-k, top-p) and streaming.
+
+Decoding has two phases:
+
+* **prefill** runs the whole prompt through the model in one call and fills the KV cache;
+* **decode** feeds one token at a time; each step reads every weight once but does only
+  2 * params FLOPs, so at batch 1 it is memory-bound.
+
+With a KV cache a step attends to the stored keys/values of all earlier tokens (O(t) work);
+without one (``use_cache=False``) every step recomputes the whole sequence (O(t^2)) and serves as
+the reference the cache is checked against.
+
+Sampling turns the last logits z into probabilities p = softmax(z / T); top-k keeps the k
+largest, top-p (nucleus) keeps the smallest set whose mass reaches p; T = 0 means greedy argmax.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .model import Transformer, make_cache
+
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: a string, chat messages (template applied), or token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("The prompt is empty; pass some text, chat messages or token ids.")
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    prompt = list(prompt)
+    if not prompt:
+        raise ValueError("The prompt is empty; pass some text, chat messages or token ids.")
+    if all(isinstance(m, dict) for m in prompt):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    if all(isinstance(t, int) for t in prompt):
+        return prompt
+    raise TypeError(
+        "prompt must be a string, a list of chat messages ({'role': ..., 'content': ...}) "
+        "or a list of token ids."
+    )
+
+
+def logits_to_probs(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Tensor:
+    """Sampling distribution over the vocabulary from logits [..., vocab]."""
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling; use 0 only for greedy decoding.")
+    z = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = torch.softmax(z, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def next_token(
+    logits: Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> int:
+    """Pick the next token from the last logits [vocab]: argmax when temperature == 0."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def stop_ids(model: Transformer, tokenizer: Any) -> set[int]:
+    """Token ids that end generation: the config's EOS ids plus the tokenizer's."""
+    ids = set(model.config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class TextStreamer:
+    """Print decoded text as tokens arrive (decodes the whole tail so multi-byte pieces join)."""
+
+    def __init__(self, tokenizer: Any, write: Callable[[str], Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.write = write or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def put(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        self.write(text[self.printed:])
+        self.printed = len(text)
+
+    def end(self) -> None:
+        self.write("\n")
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    tokenizer: Any,
+    prompt: Prompt,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+    stream: bool | Callable[[str], Any] = False,
+) -> list[int]:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt``; returns the new token ids.
+
+    Stops after an end-of-sequence token (which is included). ``stream=True`` prints the text as
+    it is produced; a callable receives the text pieces instead.
+    """
+    ids = encode_prompt(tokenizer, prompt)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    total = len(ids) + max_new_tokens
+    if total > model.config.max_seq_len:
+        raise ValueError(
+            f"Prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {model.config.max_seq_len} tokens; shorten the prompt or ask for fewer "
+            "tokens."
+        )
+    device = model.device
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    elif temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.seed()
+    streamer = None
+    if stream:
+        streamer = TextStreamer(tokenizer, stream if callable(stream) else None)
+    stops = stop_ids(model, tokenizer)
+
+    tokens = torch.tensor([ids], dtype=torch.long, device=device)
+    cache = make_cache(model.config, 1, total, model.dtype, device) if use_cache else None
+    input_pos = torch.arange(len(ids), device=device)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        if use_cache:
+            hidden = model.hidden_states(tokens, input_pos, cache)
+        else:
+            hidden = model.hidden_states(tokens)
+        logits = model.lm_head(hidden[0, -1])
+        tok = next_token(logits, temperature, top_k, top_p, generator)
+        out.append(tok)
+        if streamer is not None:
+            streamer.put(tok)
+        if tok in stops:
+            break
+        new = torch.tensor([[tok]], dtype=torch.long, device=device)
+        if use_cache:
+            tokens, input_pos = new, input_pos[-1:] + 1
+        else:
+            tokens = torch.cat([tokens, new], dim=1)
+    if streamer is not None:
+        streamer.end()
+    return out

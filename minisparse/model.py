@@ -1,0 +1,443 @@
+"""A Llama-family decoder written from scratch, small enough to read in one sitting.
+
+The model is the stack used by Llama 2/3, SmolLM2, TinyLlama and Mistral (without sliding
+windows):
+
+    h_0     = E[tokens]                                   token embedding
+    a_l     = h_{l-1} + Attn_l(RMSNorm(h_{l-1}))          pre-norm attention + residual
+    h_l     = a_l + MLP_l(RMSNorm(a_l))                   pre-norm gated MLP + residual
+    logits  = RMSNorm(h_L) @ W_out^T                      W_out = E when embeddings are tied
+
+* RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g   (Zhang & Sennrich, 2019).
+* RoPE rotates each (x_i, x_{i + d/2}) pair of a query/key head by the angle p * theta_i with
+  theta_i = base^(-2i/d), so q_m . k_n depends on m - n only (Su et al., 2021).
+* Grouped-query attention: n_heads query heads share n_kv_heads key/value heads, each K/V head
+  serving a group of n_heads / n_kv_heads query heads (Ainslie et al., 2023). n_kv_heads = n_heads
+  is multi-head attention, n_kv_heads = 1 is multi-query attention.
+* Gated MLP: MLP(x) = W_down (act(W_gate x) * (W_up x)), act = SiLU for SwiGLU
+  (Shazeer, 2020). The activation is its own submodule (``mlp.act``) so later chapters can swap
+  SiLU for ReLU, insert thresholds, or replace the whole MLP by a sparse one.
+
+Every submodule is a plain attribute: ``model.layers[i].attn.{q,k,v,o}_proj``,
+``model.layers[i].mlp.{gate,up,down}_proj``, ``model.layers[i].mlp.act``,
+``model.layers[i].{attn_norm,mlp_norm}``, ``model.embed``, ``model.norm``, ``model.lm_head``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "silu": nn.SiLU,
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+}
+
+
+@dataclass
+class ModelConfig:
+    """Shape and hyper-parameters of a Llama-family decoder."""
+
+    vocab_size: int = 49152
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    ffn_dim: int = 1536
+    rope_theta: float = 100000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    max_seq_len: int = 8192
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: list[int] = field(default_factory=lambda: [2])
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}); "
+                "choose n_kv_heads among the divisors of n_heads."
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"Unknown activation {self.hidden_act!r}; use one of {sorted(ACTIVATIONS)}."
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """Read a transformers ``LlamaConfig`` (or a compatible one)."""
+        n_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        eos = hf_config.eos_token_id
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            dim=hf_config.hidden_size,
+            n_layers=hf_config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            ffn_dim=hf_config.intermediate_size,
+            rope_theta=float(theta),
+            norm_eps=float(hf_config.rms_norm_eps),
+            tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            max_seq_len=int(getattr(hf_config, "max_position_embeddings", 2048)),
+            hidden_act=hf_config.hidden_act,
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            bos_token_id=hf_config.bos_token_id,
+            eos_token_ids=eos_ids,
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+    """theta_i = theta^(-2i/d) for i = 0 .. d/2 - 1 (the standard RoPE frequencies)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of the angles p * theta_i, shaped [seq, head_dim] (each half repeated)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x_i, x_{i+d/2}) of ``x`` [batch, heads, seq, d] by the given angles.
+
+    (x_1, x_2) -> (x_1 cos - x_2 sin, x_2 cos + x_1 sin), the "rotate half" layout used by
+    transformers' Llama (the GGUF loader converts llama.cpp's interleaved layout to this one).
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache(nn.Module):
+    """Static, preallocated key/value cache for one attention layer.
+
+    Buffers ``k``/``v`` have shape [batch, n_kv_heads, max_seq_len, head_dim] and are allocated
+    once; ``update`` writes the new keys/values at ``input_pos`` and returns the cache up to the
+    last written position, so decoding allocates no new cache memory per step.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        n_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_seq_len = max_seq_len
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [batch, n_kv_heads, seq, head_dim] at ``input_pos`` [seq]; return k/v[:end]."""
+        end = int(input_pos[-1]) + 1
+        if end > self.max_seq_len:
+            raise ValueError(
+                f"Position {end - 1} does not fit in a KV cache of {self.max_seq_len} tokens; "
+                "create the cache with a larger max_seq_len or shorten the prompt."
+            )
+        start = int(input_pos[0])
+        if end - start == k.shape[2]:  # contiguous positions: a slice copy
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
+        else:
+            self.k.index_copy_(2, input_pos, k)
+            self.v.index_copy_(2, input_pos, v)
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def make_cache(
+    config: ModelConfig,
+    batch: int = 1,
+    max_seq_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> nn.ModuleList:
+    """One static ``KVCache`` per layer, to pass as ``model(tokens, input_pos, cache=...)``."""
+    length = max_seq_len or config.max_seq_len
+    return nn.ModuleList(
+        KVCache(batch, config.n_kv_heads, length, config.head_dim, dtype, device)
+        for _ in range(config.n_layers)
+    )
+
+
+def causal_mask(q_pos: Tensor, kv_len: int) -> Tensor:
+    """Boolean [q, kv] mask: query at position p sees keys at positions 0..p."""
+    kv_pos = torch.arange(kv_len, device=q_pos.device)
+    return kv_pos[None, :] <= q_pos[:, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE: softmax(q k^T / sqrt(d) + mask) v."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=bias)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        input_pos: Tensor,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(input_pos, k, v)
+        kv_len = k.shape[2]
+        gqa = self.n_kv_heads != self.n_heads
+        if t == 1:  # one new token sees every cached key: no mask needed
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        elif kv_len == t and int(input_pos[0]) == 0:  # a prompt from position 0
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # a chunk appended after earlier tokens
+            mask = causal_mask(input_pos, kv_len)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Gated MLP: down_proj(act(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.gate_proj = nn.Linear(c.dim, c.ffn_dim, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=c.mlp_bias)
+        self.act = ACTIVATIONS[c.hidden_act]()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, input_pos, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """The full decoder: ``model(tokens [batch, seq], input_pos=None, cache=None) -> logits``.
+
+    ``input_pos`` holds the absolute positions of ``tokens`` (default 0..seq-1). ``cache`` is a
+    sequence of per-layer caches (``make_cache``), each with ``update(input_pos, k, v)``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta).float(), persistent=False
+        )
+        self.rope_scale = 1.0  # transformers' "attention_scaling" for scaled RoPE variants
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden_states(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor | None = None,
+        cache: Sequence[KVCache] | None = None,
+    ) -> Tensor:
+        """The final-normed hidden states [batch, seq, dim], before the LM head."""
+        if tokens.dim() != 2:
+            raise ValueError(
+                f"tokens must have shape [batch, seq], got {tuple(tokens.shape)}; "
+                "use tokens[None] for a single sequence."
+            )
+        if input_pos is None:
+            input_pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, input_pos, None if cache is None else cache[i])
+        return self.norm(x)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor | None = None,
+        cache: Sequence[KVCache] | None = None,
+    ) -> Tensor:
+        return self.lm_head(self.hidden_states(tokens, input_pos, cache))
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module) -> "Transformer":
+        """A ``Transformer`` holding the weights of a transformers ``LlamaForCausalLM``."""
+        from .hf import from_hf
+
+        return from_hf(hf_model)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+
+def use_input_major_weights(model: nn.Module) -> nn.Module:
+    """Re-store every ``nn.Linear`` weight W [out, in] as the transpose of a contiguous [in, out].
+
+    The values, shapes and results are unchanged; only the memory order differs. A batch-1
+    decode step computes y = x W^T for a single row x. With W row-major ([out, in] contiguous)
+    this is a GEMV of dot products, one per output; with W^T contiguous it becomes a row-major
+    x @ W^T that streams the weights in order while accumulating all outputs at once. On the
+    course's CPU the second form moves weights from DRAM at a clearly higher bandwidth, so decoding
+    is faster (``minisparse bench decode`` measures both). Works in place and returns ``model``.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and not is_input_major(module.weight):
+                module.weight.data = module.weight.data.t().contiguous().t()
+    if isinstance(model, Transformer):
+        model.tie_weights()
+    return model
+
+
+def use_output_major_weights(model: nn.Module) -> nn.Module:
+    """Undo ``use_input_major_weights``: make every ``nn.Linear`` weight contiguous [out, in]."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.contiguous()
+    if isinstance(model, Transformer):
+        model.tie_weights()
+    return model
+
+
+def is_input_major(weight: Tensor) -> bool:
+    """True when ``weight`` [out, in] is the transpose of a contiguous [in, out] tensor."""
+    return weight.dim() == 2 and weight.t().is_contiguous() and weight.shape[0] > 1
+
+
+def init_weights(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
+    """Fill a model with seeded random weights (for unit tests and shape experiments)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of distinct parameters: what a batch-1 decode step streams from memory."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def flops_per_token(config: ModelConfig, context: int = 0) -> int:
+    """Approximate forward FLOPs per token: 2 * matmul parameters + attention over ``context``."""
+    c = config
+    attn = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    mlp = 3 * c.dim * c.ffn_dim
+    per_layer = 2 * (attn + mlp) + 4 * c.n_heads * c.head_dim * context
+    return c.n_layers * per_layer + 2 * c.dim * c.vocab_size
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "ModelConfig",
+    "RMSNorm",
+    "KVCache",
+    "Attention",
+    "MLP",
+    "Block",
+    "Transformer",
+    "make_cache",
+    "apply_rope",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "causal_mask",
+    "init_weights",
+    "use_input_major_weights",
+    "use_output_major_weights",
+    "param_bytes",
+    "flops_per_token",
+]
