@@ -11,21 +11,24 @@ switched on here, before any kernel is defined, so the kernels run (slowly, exac
 tensors.
 """
 
-from .interpreter import INTERPRETING, interpreting  # first: sets TRITON_INTERPRET
+# The interpreter module comes first: it sets TRITON_INTERPRET before any kernel is defined.
+# isort: off
+from .interpreter import INTERPRETING, interpreting
 from .column_sparse import sparse_input_gemv
 from .fused_ffn import sparse_ffn, sparse_ffn_unfused
 from .reference import gather_gemv_ref, sparse_ffn_ref, sparse_input_gemv_ref
 from .row_sparse import gather_gemv, gather_gemv_naive
+# isort: on
 
 __all__ = [
     "INTERPRETING",
-    "interpreting",
     "gather_gemv",
     "gather_gemv_naive",
-    "sparse_input_gemv",
-    "sparse_ffn",
-    "sparse_ffn_unfused",
     "gather_gemv_ref",
-    "sparse_input_gemv_ref",
+    "interpreting",
+    "sparse_ffn",
     "sparse_ffn_ref",
+    "sparse_ffn_unfused",
+    "sparse_input_gemv",
+    "sparse_input_gemv_ref",
 ]

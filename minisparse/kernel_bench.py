@@ -1,0 +1,392 @@
+"""Benchmark: sparse FFN kernels against dense, and against the ideal (1 - s).
+
+``minisparse bench sparse-ffn`` (or ``python -m minisparse.kernel_bench``) times, for each FFN
+shape and sparsity s, three products side by side with the dense product they replace:
+
+* ``gate/up``: row-sparse GEMV over the active neurons (dense: ``F.linear(x, W_gate)``);
+* ``down``: column-sparse GEMV over the active neurons (dense: ``F.linear(h, W_down)``);
+* ``ffn``: the whole sparse gated FFN (dense: the three linears and the activation).
+
+At batch 1 each is memory-bound: a kernel that reads a fraction (1 - s) of the weights can at
+best take (1 - s) of the dense time, so we report ``time / dense`` and
+``(time / dense) / (1 - s)`` (1.0 = at the ideal, below 1 = faster than the dense kernel's own
+bandwidth) and the achieved GB/s against a measured copy bandwidth. On a CPU the kernels are
+the C fast path (``minisparse.kernels.cpu``); on CUDA the Triton kernels.
+
+Measurement rules (``minisparse.bench``): variants are interleaved within every repeat so
+machine drift hits all of them alike, warm-up first, median of repeats. The active neurons are
+drawn at random and rotated between calls (several sets per sparsity), so a sparse kernel
+cannot keep "its" rows in the last-level cache while dense streams everything; a real decoder
+streams the other layers' weights between two calls of a layer, which evicts them the same way.
+Small shapes (576 x 1536 fp32 = 3.5 MB) fit in cache anyway: there both sides run from cache
+and the ratios measure overheads, not bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .bench import copy_bandwidth, synchronize
+
+SHAPES = ((4096, 11008), (576, 1536))
+SPARSITIES = (0.0, 0.5, 0.7, 0.9, 0.95)
+KERNELS = ("gate/up", "down", "ffn")
+
+
+@dataclass
+class BenchRow:
+    """One line of the table: a kernel at one shape and sparsity."""
+
+    shape: str
+    kernel: str
+    sparsity: float
+    dense_ms: float
+    sparse_ms: float
+    ratio_to_dense: float
+    ratio_to_ideal: float
+    sparse_gbs: float
+    dense_gbs: float
+    copy_fraction: float
+
+
+def check_sparsity(s: float) -> float:
+    """Sparsity is the fraction of neurons skipped: a number in [0, 1)."""
+    if not 0.0 <= s < 1.0:
+        raise ValueError(
+            f"sparsity must be in [0, 1) (the fraction of neurons skipped), got {s}; "
+            "use 0 for dense and e.g. 0.9 to skip 90 %."
+        )
+    return float(s)
+
+
+def random_active_sets(
+    n: int, sparsity: float, count: int, seed: int = 0, device: str | torch.device = "cpu"
+) -> list[Tensor]:
+    """``count`` sorted random index sets, each keeping round((1 - s) n) of n neurons."""
+    check_sparsity(sparsity)
+    keep = round((1.0 - sparsity) * n)
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randperm(n, generator=gen)[:keep].sort().values.to(device) for _ in range(count)]
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 20,
+    warmup: int = 3,
+    device: torch.device | str | None = None,
+) -> dict[str, float]:
+    """Median seconds of each function, timing them in turn within every repeat."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+@dataclass
+class FFNWeights:
+    """A random gated FFN in the layouts the sparse kernels read."""
+
+    W_gate: Tensor  # [ffn, dim]
+    W_up: Tensor  # [ffn, dim]
+    W_down: Tensor  # [dim, ffn]  (nn.Linear layout, for the dense baseline)
+    W_down_t: Tensor  # [ffn, dim] (transposed: neuron j's down weights contiguous)
+
+
+def random_ffn(
+    dim: int,
+    ffn: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> FFNWeights:
+    """Seeded random FFN weights; on the CPU placed in huge pages (``hugepage_copy``)."""
+    from .kernels.cpu import hugepage_copy
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(*shape: int) -> Tensor:
+        w = torch.randn(*shape, generator=gen).mul_(dim**-0.5).to(dtype)
+        return hugepage_copy(w) if torch.device(device).type == "cpu" else w.to(device)
+
+    W_gate, W_up, W_down = make(ffn, dim), make(ffn, dim), make(dim, ffn)
+    W_down_t = W_down.T.contiguous()
+    if torch.device(device).type == "cpu":
+        W_down_t = hugepage_copy(W_down_t)
+    return FFNWeights(W_gate, W_up, W_down, W_down_t)
+
+
+def kernel_backend(device: torch.device) -> dict[str, Callable]:
+    """The sparse kernels for a device: Triton on CUDA, the C fast path on the CPU."""
+    if device.type == "cuda":
+        from . import kernels as backend
+    else:
+        from .kernels import cpu as backend
+    return {
+        "gather_gemv": backend.gather_gemv,
+        "sparse_input_gemv": backend.sparse_input_gemv,
+        "sparse_ffn": backend.sparse_ffn,
+    }
+
+
+def dense_ffn(x: Tensor, w: FFNWeights) -> Tensor:
+    """The dense gated SiLU FFN the sparse one replaces."""
+    return F.linear(F.silu(F.linear(x, w.W_gate)) * F.linear(x, w.W_up), w.W_down)
+
+
+def bench_shape(
+    dim: int,
+    ffn: int,
+    sparsities: tuple[float, ...] = SPARSITIES,
+    kernels: tuple[str, ...] = KERNELS,
+    repeats: int = 20,
+    warmup: int = 3,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    bandwidth_gbs: float | None = None,
+    progress: tqdm | None = None,
+) -> list[BenchRow]:
+    """Dense vs sparse for one FFN shape at each sparsity; one ``BenchRow`` per kernel and s."""
+    device = torch.device(device)
+    for s in sparsities:
+        check_sparsity(s)
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"Unknown kernels {sorted(unknown)}; choose from {KERNELS}.")
+    if bandwidth_gbs is None:
+        bandwidth_gbs = copy_bandwidth(device=device)
+    ops = kernel_backend(device)
+    w = random_ffn(dim, ffn, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(dim, generator=gen).to(device=device, dtype=dtype)
+    h = torch.randn(ffn, generator=gen).to(device=device, dtype=dtype)
+    matrix_bytes = dim * ffn * w.W_gate.element_size()
+    rows = []
+    for s in sparsities:
+        sets = itertools.cycle(random_active_sets(ffn, s, 8, seed + 2, device))
+        fraction = round((1.0 - s) * ffn) / ffn
+        cases = {
+            "gate/up": (
+                lambda: F.linear(x, w.W_gate),
+                lambda sets=sets: ops["gather_gemv"](w.W_gate, x, next(sets)),
+                1,
+            ),
+            "down": (
+                lambda: F.linear(h, w.W_down),
+                lambda sets=sets: ops["sparse_input_gemv"](w.W_down_t, h, idx=next(sets)),
+                1,
+            ),
+            "ffn": (
+                lambda: dense_ffn(x, w),
+                lambda sets=sets: ops["sparse_ffn"](
+                    x, w.W_gate, w.W_up, w.W_down_t, next(sets), "silu"
+                ),
+                3,
+            ),
+        }
+        fns = {}
+        for name in kernels:
+            dense_fn, sparse_fn, _ = cases[name]
+            fns[f"{name} dense"], fns[f"{name} sparse"] = dense_fn, sparse_fn
+        t = interleaved_medians(fns, repeats, warmup, device)
+        for name in kernels:
+            n_mats = cases[name][2]
+            dense_s, sparse_s = t[f"{name} dense"], t[f"{name} sparse"]
+            ratio = sparse_s / dense_s
+            sparse_bytes = n_mats * matrix_bytes * fraction
+            rows.append(
+                BenchRow(
+                    shape=f"{dim}x{ffn}",
+                    kernel=name,
+                    sparsity=s,
+                    dense_ms=dense_s * 1e3,
+                    sparse_ms=sparse_s * 1e3,
+                    ratio_to_dense=ratio,
+                    ratio_to_ideal=ratio / (1.0 - s),
+                    sparse_gbs=sparse_bytes / sparse_s / 1e9,
+                    dense_gbs=n_mats * matrix_bytes / dense_s / 1e9,
+                    copy_fraction=sparse_bytes / sparse_s / 1e9 / bandwidth_gbs,
+                )
+            )
+        if progress is not None:
+            progress.update(1)
+    return rows
+
+
+def bench_sparse_ffn(
+    shapes: tuple[tuple[int, int], ...] = SHAPES,
+    sparsities: tuple[float, ...] = SPARSITIES,
+    kernels: tuple[str, ...] = KERNELS,
+    repeats: int = 20,
+    warmup: int = 3,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> tuple[list[BenchRow], float]:
+    """Run ``bench_shape`` for every shape; return the rows and the copy bandwidth (GB/s)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    bandwidth = copy_bandwidth(device=device)
+    rows: list[BenchRow] = []
+    # tqdm's delay: the bar appears only when the run lasts more than 2 seconds
+    with tqdm(
+        total=len(shapes) * len(sparsities),
+        desc="sparse-ffn",
+        delay=2.0,
+        disable=not show_progress,
+        file=sys.stderr,
+    ) as bar:
+        for dim, ffn in shapes:
+            rows += bench_shape(
+                dim,
+                ffn,
+                sparsities,
+                kernels,
+                repeats,
+                warmup,
+                device,
+                dtype,
+                seed,
+                bandwidth,
+                bar,
+            )
+    return rows, bandwidth
+
+
+def format_table(rows: list[BenchRow], bandwidth_gbs: float) -> str:
+    """The rows as a fixed-width text table."""
+    lines = [
+        f"measured copy bandwidth: {bandwidth_gbs:.1f} GB/s",
+        (
+            f"{'shape':>11} {'kernel':>8} {'s':>5} {'dense ms':>9} {'sparse ms':>10} "
+            f"{'/dense':>7} {'/ideal':>7} {'GB/s':>7} {'of copy':>8}"
+        ),
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.shape:>11} {r.kernel:>8} {r.sparsity:>5.2f} {r.dense_ms:>9.3f} "
+            f"{r.sparse_ms:>10.3f} {r.ratio_to_dense:>7.3f} {r.ratio_to_ideal:>7.3f} "
+            f"{r.sparse_gbs:>7.1f} {r.copy_fraction:>8.0%}"
+        )
+    return "\n".join(lines)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'4096x11008' -> (4096, 11008): model dim x FFN dim."""
+    try:
+        dim, ffn = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r} is not DIMxFFN, e.g. 4096x11008"
+        ) from None
+    if dim < 1 or ffn < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} needs positive sizes")
+    return dim, ffn
+
+
+def parse_sparsity(text: str) -> float:
+    try:
+        return check_sparsity(float(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``minisparse bench sparse-ffn``."""
+    parser.add_argument(
+        "--shapes",
+        type=parse_shape,
+        nargs="+",
+        default=list(SHAPES),
+        help="FFN shapes as DIMxFFN (default: 4096x11008 576x1536)",
+    )
+    parser.add_argument(
+        "--sparsity",
+        type=parse_sparsity,
+        nargs="+",
+        default=list(SPARSITIES),
+        help="fractions of neurons skipped, each in [0, 1) (default: 0 0.5 0.7 0.9 0.95)",
+    )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=KERNELS,
+        default=list(KERNELS),
+        help="which products to time (default: all)",
+    )
+    parser.add_argument("--repeats", type=int, default=20, help="timed repeats (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="weight dtype (the CPU fast path is float32; others use the torch path)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch + OpenMP)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark with parsed arguments; print the table; return the exit status."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "--device cuda was asked for but no CUDA device is visible; drop --device to "
+            "benchmark the CPU fast path, or run on a machine with a GPU."
+        )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows, bandwidth = bench_sparse_ffn(
+        tuple(args.shapes),
+        tuple(args.sparsity),
+        tuple(args.kernels),
+        args.repeats,
+        args.warmup,
+        args.device,
+        getattr(torch, args.dtype),
+        args.seed,
+    )
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device: {device}, threads: {torch.get_num_threads()}, dtype: {args.dtype}")
+    print(format_table(rows, bandwidth))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"copy_bandwidth_gbs": bandwidth, "rows": [asdict(r) for r in rows]}, f, indent=1
+            )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m minisparse.kernel_bench", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
