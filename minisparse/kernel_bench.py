@@ -275,6 +275,64 @@ def bench_sparse_ffn(
     return rows, bandwidth
 
 
+@dataclass
+class DecodeSpeed:
+    """Greedy decode speed of one model with dense and with sparse MLPs, side by side."""
+
+    new_tokens: int
+    dense_tok_s: float
+    sparse_tok_s: float
+    mean_density: float  # fraction of neurons the sparse MLPs read per decode step
+    same_tokens: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.sparse_tok_s / self.dense_tok_s
+
+
+def bench_decode_sparse(
+    model: torch.nn.Module,
+    tokenizer: object,
+    prompt: str,
+    sparse: list[torch.nn.Module],
+    max_new_tokens: int = 32,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> DecodeSpeed:
+    """Tokens/s of greedy decoding with the model's dense MLPs and with ``sparse`` MLPs.
+
+    The two runs alternate within each repeat (median of repeats, after warm-up). Only the
+    decode steps are timed per token; the prompt is processed by the same MLPs in both runs.
+    """
+    from .generate import generate
+    from .sparse_mlp import mean_density, swap_mlps
+
+    dense = [layer.mlp for layer in model.layers]
+    per_token: dict[str, list[float]] = {"dense": [], "sparse": []}
+    tokens: dict[str, list[int]] = {}
+    densities = []
+    for i in range(warmup + repeats):
+        for name, mlps in (("dense", dense), ("sparse", sparse)):
+            swap_mlps(model, mlps)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+            elapsed = time.perf_counter() - t0
+            if name == "sparse":
+                densities.append(mean_density(sparse))
+            tokens[name] = out
+            if i >= warmup:
+                per_token[name].append(elapsed / len(out))
+    swap_mlps(model, dense)
+    return DecodeSpeed(
+        new_tokens=len(tokens["dense"]),
+        dense_tok_s=1.0 / statistics.median(per_token["dense"]),
+        sparse_tok_s=1.0 / statistics.median(per_token["sparse"]),
+        mean_density=statistics.mean(densities),
+        same_tokens=tokens["dense"] == tokens["sparse"],
+    )
+
+
 def format_table(rows: list[BenchRow], bandwidth_gbs: float) -> str:
     """The rows as a fixed-width text table."""
     lines = [

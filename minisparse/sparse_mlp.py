@@ -1,0 +1,329 @@
+"""Sparse FFN execution: a drop-in MLP that computes only the active neurons.
+
+A gated MLP computes, per neuron j,
+
+    h_j = act(W_gate[j] . x) * (W_up[j] . x),        y = sum_j h_j W_down[:, j]
+
+Neurons whose h_j is (close to) zero contribute nothing, so their rows of W_up and W_gate and
+their column of W_down need not be read. ``SparseMLP`` names the active neurons A in one of two
+ways and runs the sparse kernels of ``minisparse.kernels`` on them:
+
+* ``threshold`` (CATS, Lee et al. 2024): the gate is computed densely, a = act(W_gate x), and
+  neuron j is active when |a_j| > t. Up and down then read only the rows of A:
+      y = sum_{j in A} a_j (W_up[j] . x) W_down_t[j, :]
+  This skips 2/3 of the MLP's bytes at most, and is exact for the masked model.
+* ``select`` (DejaVu, Liu et al. 2023; PowerInfer, Song et al. 2023): a function of the MLP
+  input returns the neuron indices A (a predictor, an oracle, a fixed hot set); gate, up and
+  down are all sparse (``sparse_ffn``, fused on a GPU), so up to all of the MLP's bytes scale
+  with |A|.
+
+Either way the result equals the dense MLP with the other neurons' activations set to zero
+(the test of this module). For several tokens at once (a prompt, a batch) the kernels read the
+union of the tokens' active neurons while each token keeps its own mask, which is why sparsity
+pays less as the batch grows.
+
+The backend follows the weights: the Triton kernels on CUDA, the C fast path
+(``minisparse.kernels.cpu``) elsewhere. The down projection is stored transposed
+(``W_down_t``, [ffn, dim]) so each neuron's down weights are contiguous; on the CPU the three
+matrices are placed in huge pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .model import MLP, Transformer
+
+Selector = Callable[[Tensor], Tensor]
+BACKENDS = ("auto", "cpu", "triton")
+ACT_NAMES = {nn.SiLU: "silu", nn.ReLU: "relu"}
+
+
+def activation_name(act: nn.Module) -> str | None:
+    """The kernels' name for an activation module, or None when they do not know it."""
+    if isinstance(act, nn.GELU):
+        return "gelu" if act.approximate == "none" else None
+    return ACT_NAMES.get(type(act))
+
+
+def kernel_ops(backend: str, device: torch.device):
+    """The module holding gather_gemv / sparse_input_gemv / sparse_ffn for a backend."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown backend {backend!r}; use one of {BACKENDS}.")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "cpu"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(
+                "backend='cpu' needs the MLP's weights on the CPU; move the model with "
+                ".cpu() or use backend='auto'."
+            )
+        from .kernels import cpu
+
+        return cpu
+    from . import kernels
+
+    if device.type != "cuda" and not kernels.INTERPRETING:
+        raise RuntimeError(
+            "backend='triton' needs CUDA, and no CUDA device holds these weights; use "
+            "backend='cpu' (or 'auto'), move the model to a GPU, or set TRITON_INTERPRET=1 "
+            "before importing minisparse to run the Triton kernels slowly on the CPU."
+        )
+    return kernels
+
+
+class SparseMLP(nn.Module):
+    """A gated MLP that reads only the weights of its active neurons.
+
+    Build it from a dense ``MLP`` with either ``threshold`` (|act(gate x)| > threshold) or
+    ``select`` (a function x [tokens, dim] -> neuron indices). ``backend``: "auto" (Triton on
+    CUDA, C fast path on CPU), "cpu" or "triton".
+    """
+
+    def __init__(
+        self,
+        mlp: MLP,
+        threshold: float | None = None,
+        select: Selector | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if (threshold is None) == (select is None):
+            raise ValueError(
+                "Give exactly one of threshold= (mask |act(gate x)| <= threshold) or select= "
+                "(a function returning the active neuron indices)."
+            )
+        if threshold is not None and not threshold >= 0:
+            raise ValueError(f"threshold must be a number >= 0, got {threshold}.")
+        if any(p.bias is not None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            raise ValueError(
+                "SparseMLP supports bias-free MLPs (the Llama family); this MLP has biases."
+            )
+        weight = mlp.gate_proj.weight
+        self.ops = kernel_ops(backend, weight.device)
+        place = self.ops.hugepage_copy if hasattr(self.ops, "hugepage_copy") else torch.clone
+        with torch.no_grad():
+            self.register_buffer("W_gate", place(weight.detach()), persistent=False)
+            self.register_buffer("W_up", place(mlp.up_proj.weight.detach()), persistent=False)
+            down_t = mlp.down_proj.weight.detach().T.contiguous()
+            self.register_buffer("W_down_t", place(down_t), persistent=False)
+        self.act = mlp.act
+        self.act_name = activation_name(mlp.act)
+        self.threshold = threshold
+        self.select = select
+        self.last_density = 1.0  # fraction of neurons read in the last call (for reporting)
+        self.last_keep: Tensor | None = None  # the last call's mask [tokens, ffn] (for tests)
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.W_gate.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if self.threshold is not None:
+            y = self._forward_threshold(flat)
+        else:
+            y = self._forward_select(flat)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _forward_threshold(self, x: Tensor) -> Tensor:
+        a = self.act(x @ self.W_gate.T)  # dense gate: it decides which neurons run
+        keep = a.abs() > self.threshold
+        idx = keep.any(0).nonzero().flatten()  # union over the tokens
+        self.last_density, self.last_keep = idx.numel() / self.ffn_dim, keep
+        up = self.ops.gather_gemv(self.W_up, x, idx)  # [tokens, n]
+        h = torch.zeros_like(a)
+        h[:, idx] = torch.where(keep[:, idx], a[:, idx] * up, torch.zeros_like(up))
+        return self.ops.sparse_input_gemv(self.W_down_t, h, idx=idx)
+
+    def _forward_select(self, x: Tensor) -> Tensor:
+        idx = self.select(x).to(device=x.device, dtype=torch.int64)
+        self.last_density = idx.numel() / self.ffn_dim
+        self.last_keep = torch.zeros(x.shape[0], self.ffn_dim, dtype=torch.bool, device=x.device)
+        self.last_keep[:, idx] = True
+        if self.act_name is not None:
+            return self.ops.sparse_ffn(x, self.W_gate, self.W_up, self.W_down_t, idx, self.act_name)
+        gate = self.act(self.ops.gather_gemv(self.W_gate, x, idx))
+        h = torch.zeros(x.shape[0], self.ffn_dim, dtype=x.dtype, device=x.device)
+        h[:, idx] = gate * self.ops.gather_gemv(self.W_up, x, idx)
+        return self.ops.sparse_input_gemv(self.W_down_t, h, idx=idx)
+
+
+def _per_layer(values: float | Sequence[float] | None, n_layers: int) -> list[float | None]:
+    if values is None or isinstance(values, (int, float)):
+        return [values] * n_layers
+    values = list(values)
+    if len(values) != n_layers:
+        raise ValueError(f"Got {len(values)} thresholds for a model with {n_layers} layers.")
+    return values
+
+
+def sparse_mlps(
+    model: Transformer,
+    thresholds: float | Sequence[float] | None = None,
+    select: Callable[[int, Tensor], Tensor] | None = None,
+    backend: str = "auto",
+) -> list[SparseMLP]:
+    """One ``SparseMLP`` per layer of ``model`` (the model itself is not changed).
+
+    ``thresholds``: one number for all layers or one per layer; ``select(layer, x)``: returns
+    the active neuron indices of a layer for the MLP input x [tokens, dim].
+    """
+    n = len(model.layers)
+    limits = _per_layer(thresholds, n)
+    if not all(isinstance(layer.mlp, MLP) for layer in model.layers):
+        raise ValueError(
+            "Every layer's MLP must be a dense minisparse.model.MLP; put the dense MLPs back "
+            "(swap_mlps with the list sparsify returned) before sparsifying again."
+        )
+    return [
+        SparseMLP(
+            layer.mlp,
+            threshold=limits[i],
+            select=None if select is None else functools.partial(select, i),
+            backend=backend,
+        )
+        for i, layer in enumerate(model.layers)
+    ]
+
+
+def swap_mlps(model: Transformer, mlps: Sequence[nn.Module]) -> list[nn.Module]:
+    """Put ``mlps`` into the model's layers; return the MLPs they replaced."""
+    if len(mlps) != len(model.layers):
+        raise ValueError(f"Got {len(mlps)} MLPs for a model with {len(model.layers)} layers.")
+    old = [layer.mlp for layer in model.layers]
+    for layer, mlp in zip(model.layers, mlps):
+        layer.mlp = mlp
+    return old
+
+
+def sparsify(
+    model: Transformer,
+    thresholds: float | Sequence[float] | None = None,
+    select: Callable[[int, Tensor], Tensor] | None = None,
+    backend: str = "auto",
+) -> list[nn.Module]:
+    """Replace every MLP of ``model`` by a ``SparseMLP``, in place; return the dense MLPs.
+
+    ``swap_mlps(model, returned)`` puts the dense MLPs back.
+    """
+    return swap_mlps(model, sparse_mlps(model, thresholds, select, backend))
+
+
+@contextlib.contextmanager
+def using_mlps(model: Transformer, mlps: Sequence[nn.Module]) -> Iterator[Transformer]:
+    """Run a block with ``mlps`` in place of the model's MLPs, then restore them."""
+    old = swap_mlps(model, mlps)
+    try:
+        yield model
+    finally:
+        swap_mlps(model, old)
+
+
+class MaskedMLP(nn.Module):
+    """The dense MLP with a neuron mask applied to act(gate x) * (up x): the reference.
+
+    ``threshold``: zero the neurons with |act(gate x)| <= threshold; ``select``: keep only the
+    neurons it returns; ``keep``: a given boolean mask [tokens, ffn] (e.g. a SparseMLP's
+    ``last_keep``, to apply exactly the same mask). Every weight is read: exact and slow.
+    """
+
+    def __init__(
+        self,
+        mlp: MLP,
+        threshold: float | None = None,
+        select: Selector | None = None,
+        keep: Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.mlp, self.threshold, self.select, self.keep = mlp, threshold, select, keep
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        a = self.mlp.act(self.mlp.gate_proj(flat))
+        h = a * self.mlp.up_proj(flat)
+        if self.keep is not None:
+            keep = self.keep
+        elif self.threshold is not None:
+            keep = a.abs() > self.threshold
+        else:
+            keep = torch.zeros_like(h, dtype=torch.bool)
+            keep[:, self.select(flat).long()] = True
+        y = self.mlp.down_proj(torch.where(keep, h, torch.zeros_like(h)))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def masked_mlps(
+    model: Transformer,
+    thresholds: float | Sequence[float] | None = None,
+    select: Callable[[int, Tensor], Tensor] | None = None,
+) -> list[MaskedMLP]:
+    """One ``MaskedMLP`` per layer, the dense reference for ``sparse_mlps``."""
+    limits = _per_layer(thresholds, len(model.layers))
+    return [
+        MaskedMLP(
+            layer.mlp,
+            threshold=limits[i],
+            select=None if select is None else functools.partial(select, i),
+        )
+        for i, layer in enumerate(model.layers)
+    ]
+
+
+def same_masks(model: Transformer, sparse: Sequence[SparseMLP]) -> list[MaskedMLP]:
+    """Dense MLPs of ``model`` masked exactly as ``sparse`` masked its last call.
+
+    With thresholds, the dense model recomputing its own masks can flip neurons whose
+    |act(gate x)| lies within rounding of the threshold (its inputs differ from the sparse
+    model's by float rounding), and one flip moves the rest of the computation. Replaying the
+    sparse model's masks compares the kernels, not the luck of the ties.
+    """
+    return [MaskedMLP(layer.mlp, keep=sp.last_keep) for layer, sp in zip(model.layers, sparse)]
+
+
+@torch.no_grad()
+def gate_activations(model: Transformer, tokens: Tensor) -> list[Tensor]:
+    """|act(gate x)| of every layer's MLP on ``tokens`` [batch, seq]: [tokens, ffn] each."""
+    out: list[Tensor] = []
+    hooks = [
+        layer.mlp.act.register_forward_hook(
+            lambda _m, _i, y: out.append(y.detach().reshape(-1, y.shape[-1]).abs())
+        )
+        for layer in model.layers
+    ]
+    try:
+        model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def calibrate_thresholds(model: Transformer, tokens: Tensor, sparsity: float) -> list[float]:
+    """Per-layer thresholds t_l with P(|act(gate x)| <= t_l) = sparsity on ``tokens``.
+
+    The magnitude quantile of each layer's gate activations (TEAL/CATS style): with these
+    thresholds a fraction ``sparsity`` of neurons is skipped on average.
+    """
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}.")
+    limits = []
+    for acts in gate_activations(model, tokens):
+        flat = acts.flatten().float()
+        if flat.numel() > 2**24:  # quantile has a size limit; a seeded subsample is enough
+            gen = torch.Generator().manual_seed(0)
+            flat = flat[torch.randint(flat.numel(), (2**24,), generator=gen)]
+        limits.append(float(torch.quantile(flat, sparsity)))
+    return limits
+
+
+def mean_density(mlps: Sequence[nn.Module]) -> float:
+    """Mean fraction of neurons read in the last call, over the SparseMLPs given."""
+    values = [m.last_density for m in mlps if isinstance(m, SparseMLP)]
+    return sum(values) / len(values) if values else 1.0

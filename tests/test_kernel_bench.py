@@ -1,0 +1,95 @@
+"""The sparse-ffn benchmark runs end to end on small shapes and rejects bad arguments.
+
+Times are never asserted; only the table's structure and the bookkeeping (bytes, ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from minisparse import kernel_bench as KB
+
+
+def test_bench_shape_rows_and_ratios():
+    rows = KB.bench_shape(64, 96, sparsities=(0.0, 0.5), repeats=2, warmup=1, bandwidth_gbs=10.0)
+    assert [(r.kernel, r.sparsity) for r in rows] == [
+        (k, s) for s in (0.0, 0.5) for k in KB.KERNELS
+    ]
+    for r in rows:
+        assert r.shape == "64x96" and r.dense_ms > 0 and r.sparse_ms > 0
+        assert r.ratio_to_dense == pytest.approx(r.sparse_ms / r.dense_ms)
+        assert r.ratio_to_ideal == pytest.approx(r.ratio_to_dense / (1 - r.sparsity))
+        n_mats = 3 if r.kernel == "ffn" else 1
+        moved = n_mats * 64 * round((1 - r.sparsity) * 96) * 4
+        assert r.sparse_gbs == pytest.approx(moved / (r.sparse_ms / 1e3) / 1e9)
+        assert r.copy_fraction == pytest.approx(r.sparse_gbs / 10.0)
+
+
+def test_random_active_sets_are_sorted_seeded_and_sized():
+    sets = KB.random_active_sets(100, 0.7, count=3, seed=1)
+    again = KB.random_active_sets(100, 0.7, count=3, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(sets, again))
+    for s in sets:
+        assert s.numel() == 30 and torch.equal(s, s.sort().values) and s.unique().numel() == 30
+    assert not torch.equal(sets[0], sets[1])
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5])
+def test_sparsity_outside_range_is_rejected(bad):
+    with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
+        KB.random_active_sets(10, bad, 1)
+    with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
+        KB.bench_shape(8, 8, sparsities=(bad,), repeats=1, bandwidth_gbs=1.0)
+
+
+def test_cli_runs_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    status = KB.main(
+        [
+            "--shapes",
+            "48x80",
+            "--sparsity",
+            "0",
+            "0.9",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    assert status == 0
+    text = capsys.readouterr().out
+    assert "copy bandwidth" in text and "48x80" in text and "/ideal" in text
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 6 and data["copy_bandwidth_gbs"] > 0
+
+
+def test_cli_argument_errors():
+    parser = argparse.ArgumentParser()
+    KB.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sparsity", "1.2"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--shapes", "4096by11008"])
+    args = parser.parse_args(["--device", "cuda"])
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            KB.run(args)
+
+
+def test_interleaved_medians_counts_calls():
+    calls = {"a": 0, "b": 0}
+
+    def bump(name):
+        calls[name] += 1
+
+    t = KB.interleaved_medians({"a": lambda: bump("a"), "b": lambda: bump("b")}, 5, 2)
+    assert set(t) == {"a", "b"} and calls == {"a": 7, "b": 7}
+    with pytest.raises(ValueError, match="repeats"):
+        KB.interleaved_medians({"a": lambda: None}, 0)

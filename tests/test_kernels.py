@@ -1,0 +1,325 @@
+"""Sparse kernels (Triton under the interpreter, and the CPU fast path) against their references.
+
+Every kernel is compared with the torch reference in float32 and with the reference evaluated
+in float64, on fresh seeded random inputs, odd shapes (not multiples of any block size), empty
+and full active sets, random and clustered masks, batch 1 and batch > 1.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from minisparse.kernels import cpu
+from minisparse.kernels.reference import (
+    gather_gemv_ref,
+    sparse_ffn_ref,
+    sparse_input_gemv_ref,
+)
+
+from minisparse import kernels
+
+TRITON_GATHER = [kernels.gather_gemv, kernels.gather_gemv_naive]
+TRITON_FFN = [kernels.sparse_ffn, kernels.sparse_ffn_unfused]
+ALL_GATHER = [*TRITON_GATHER, cpu.gather_gemv]
+ALL_INPUT = [kernels.sparse_input_gemv, cpu.sparse_input_gemv]
+ALL_FFN = [*TRITON_FFN, cpu.sparse_ffn]
+RTOL = 1e-5  # fp32 relative error, measured against the largest output
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (the error scale of a sum of many terms)."""
+    scale = ref.abs().max().item() or 1.0
+    return (out.double() - ref.double()).abs().max().item() / scale
+
+
+def make_idx(n: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Active indices out of n: empty, full, random (any order), or clustered runs."""
+    if kind == "empty":
+        return torch.empty(0, dtype=torch.int64)
+    if kind == "full":
+        return torch.arange(n)
+    if kind == "random":
+        return torch.randperm(n, generator=gen)[: max(1, n // 3)]
+    start = torch.randint(0, max(1, n - 12), (3,), generator=gen)  # three runs of 10
+    return torch.unique((start[:, None] + torch.arange(10)).flatten().clamp(max=n - 1))
+
+
+def seeded(*key: object) -> torch.Generator:
+    """A generator seeded from the test's parameters (stable across runs)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen)
+
+
+def test_interpreter_is_on_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the kernels compile for the GPU")
+    assert kernels.INTERPRETING
+    assert type(kernels.row_sparse._gather_tile_kernel).__name__ == "InterpretedFunction"
+
+
+def test_interpreter_switches_on_after_an_earlier_triton_import():
+    code = (
+        "import os; os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import torch, triton, triton.language\n"
+        "from minisparse import kernels\n"
+        "W = torch.randn(37, 29); x = torch.randn(29); idx = torch.tensor([3, 0, 36])\n"
+        "err = (kernels.gather_gemv(W, x, idx) - W[idx] @ x).abs().max().item()\n"
+        "print(kernels.INTERPRETING, err < 1e-4)\n"
+    )
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the interpreter is not needed")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("fn", ALL_GATHER, ids=lambda f: f"{f.__module__}.{f.__name__}")
+@pytest.mark.parametrize("kind", ["empty", "full", "random", "clustered"])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_gather_gemv(fn, kind, batch):
+    gen = seeded(fn.__module__, fn.__name__, kind, batch)
+    N, K = 157, 203  # odd: no block size divides them
+    W = randn(N, K, gen=gen)
+    x = randn(K, gen=gen) if batch is None else randn(batch, K, gen=gen)
+    idx = make_idx(N, kind, gen)
+    out = fn(W, x, idx)
+    expected_shape = (idx.numel(),) if batch is None else (batch, idx.numel())
+    assert out.shape == expected_shape and out.dtype == x.dtype
+    if idx.numel():
+        assert rel_err(out, gather_gemv_ref(W, x, idx)) <= RTOL
+        assert rel_err(out, gather_gemv_ref(W.double(), x.double(), idx)) <= RTOL
+
+
+@pytest.mark.parametrize("fn", ALL_INPUT, ids=lambda f: f.__module__)
+@pytest.mark.parametrize("mode", ["threshold", "empty", "full", "random", "clustered"])
+@pytest.mark.parametrize("batch", [None, 2])
+def test_sparse_input_gemv(fn, mode, batch):
+    gen = seeded(fn.__module__, mode, batch)
+    K, N = 149, 211
+    W_t = randn(K, N, gen=gen)
+    x = randn(K, gen=gen) if batch is None else randn(batch, K, gen=gen)
+    kw = {"threshold": 0.8} if mode == "threshold" else {"idx": make_idx(K, mode, gen)}
+    out = fn(W_t, x, **kw)
+    assert out.shape == (x.shape[:-1] + (N,))
+    ref = sparse_input_gemv_ref(W_t, x, **kw)
+    ref64 = sparse_input_gemv_ref(W_t.double(), x.double(), **kw)
+    if mode == "empty":
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert rel_err(out, ref) <= RTOL and rel_err(out, ref64) <= RTOL
+    if mode == "threshold":  # the threshold really drops inputs: dense differs
+        assert rel_err((x @ W_t), ref64) > 1e-3
+
+
+@pytest.mark.parametrize("fn", ALL_FFN, ids=lambda f: f"{f.__module__}.{f.__name__}")
+@pytest.mark.parametrize("act", ["silu", "relu", "gelu"])
+@pytest.mark.parametrize("kind", ["random", "clustered", "full"])
+def test_sparse_ffn(fn, act, kind):
+    gen = seeded(fn.__module__, fn.__name__, act, kind)
+    F_, D = 97, 131
+    Wg, Wu, Wd_t = randn(F_, D, gen=gen), randn(F_, D, gen=gen), randn(F_, D, gen=gen)
+    x = randn(2, D, gen=gen)
+    idx = make_idx(F_, kind, gen)
+    out = fn(x, Wg, Wu, Wd_t, idx, act)
+    ref64 = sparse_ffn_ref(x.double(), Wg.double(), Wu.double(), Wd_t.double(), idx, act)
+    assert rel_err(out, sparse_ffn_ref(x, Wg, Wu, Wd_t, idx, act)) <= RTOL
+    assert rel_err(out, ref64) <= RTOL
+    if kind == "full":  # all neurons active: the dense gated FFN
+        act_fn = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}[act]
+        xd = x.double()
+        dense = (act_fn(xd @ Wg.double().T) * (xd @ Wu.double().T)) @ Wd_t.double()
+        assert rel_err(out, dense) <= RTOL
+
+
+@pytest.mark.parametrize("fn", ALL_FFN, ids=lambda f: f"{f.__module__}.{f.__name__}")
+def test_sparse_ffn_empty_set_gives_zeros(fn):
+    gen = torch.Generator().manual_seed(5)
+    Wg, Wu, Wd_t = randn(33, 17, gen=gen), randn(33, 17, gen=gen), randn(33, 17, gen=gen)
+    out = fn(randn(17, gen=gen), Wg, Wu, Wd_t, torch.empty(0, dtype=torch.int64), "silu")
+    assert out.shape == (17,) and torch.equal(out, torch.zeros(17))
+
+
+def test_sparse_ffn_equals_dense_ffn_with_masked_activations():
+    gen = torch.Generator().manual_seed(11)
+    F_, D = 64, 40
+    Wg, Wu, Wd_t, x = (
+        randn(F_, D, gen=gen),
+        randn(F_, D, gen=gen),
+        randn(F_, D, gen=gen),
+        randn(D, gen=gen),
+    )
+    idx = torch.tensor([1, 7, 8, 9, 30, 63])
+    h = torch.nn.functional.silu(Wg @ x) * (Wu @ x)
+    mask = torch.zeros(F_, dtype=torch.bool)
+    mask[idx] = True
+    expected = torch.where(mask, h, torch.zeros_like(h)) @ Wd_t
+    assert rel_err(cpu.sparse_ffn(x, Wg, Wu, Wd_t, idx), expected) <= RTOL
+    assert rel_err(kernels.sparse_ffn(x, Wg, Wu, Wd_t, idx), expected) <= RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_accumulate_in_float32(dtype):
+    gen = torch.Generator().manual_seed(3)
+    W, x = randn(70, 300, gen=gen), randn(2, 300, gen=gen)
+    idx = torch.tensor([0, 5, 69, 33])
+    out = kernels.gather_gemv(W.to(dtype), x.to(dtype), idx)
+    ref32 = gather_gemv_ref(W.to(dtype).double(), x.to(dtype).double(), idx)
+    assert out.dtype == dtype
+    # one rounding of the float32 sum to the output dtype, no more
+    assert rel_err(out, ref32) <= torch.finfo(dtype).eps
+    W_t = randn(50, 40, gen=gen).to(dtype)
+    xi = randn(50, gen=gen).to(dtype)
+    out = kernels.sparse_input_gemv(W_t, xi, threshold=0.5)
+    ref = sparse_input_gemv_ref(W_t.double(), xi.double(), threshold=0.5)
+    assert rel_err(out, ref) <= torch.finfo(dtype).eps
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n_rows=st.integers(1, 80),
+    k=st.integers(1, 300),
+    batch=st.integers(1, 3),
+    density=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_gather_gemv_shapes_property(n_rows, k, batch, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    W, x = randn(n_rows, k, gen=gen), randn(batch, k, gen=gen)
+    idx = torch.randperm(n_rows, generator=gen)[: round(density * n_rows)]
+    ref = gather_gemv_ref(W.double(), x.double(), idx)
+    for fn in (kernels.gather_gemv, cpu.gather_gemv):
+        out = fn(W, x, idx)
+        assert out.shape == (batch, idx.numel())
+        if idx.numel():
+            assert rel_err(out, ref) <= RTOL
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    k=st.integers(1, 150),
+    n=st.integers(1, 150),
+    threshold=st.floats(0.0, 2.0),
+    seed=st.integers(0, 2**16),
+)
+def test_sparse_input_gemv_shapes_property(k, n, threshold, seed):
+    gen = torch.Generator().manual_seed(seed)
+    W_t, x = randn(k, n, gen=gen), randn(k, gen=gen)
+    ref = sparse_input_gemv_ref(W_t.double(), x.double(), threshold=threshold)
+    for fn in (kernels.sparse_input_gemv, cpu.sparse_input_gemv):
+        out = fn(W_t, x, threshold=threshold)
+        assert out.shape == (n,)
+        assert (out.double() - ref).abs().max().item() <= RTOL * max(ref.abs().max().item(), 1.0)
+
+
+@settings(max_examples=5, deadline=None)
+@given(f=st.integers(1, 50), d=st.integers(1, 140), seed=st.integers(0, 2**16))
+def test_sparse_ffn_shapes_property(f, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    Wg, Wu, Wd_t, x = (
+        randn(f, d, gen=gen),
+        randn(f, d, gen=gen),
+        randn(f, d, gen=gen),
+        randn(d, gen=gen),
+    )
+    idx = torch.randperm(f, generator=gen)[: (f + 1) // 2]
+    ref = sparse_ffn_ref(x.double(), Wg.double(), Wu.double(), Wd_t.double(), idx, "silu")
+    for fn in (kernels.sparse_ffn, cpu.sparse_ffn):
+        out = fn(x, Wg, Wu, Wd_t, idx, "silu")
+        assert out.shape == (d,)
+        assert (out.double() - ref).abs().max().item() <= RTOL * max(ref.abs().max().item(), 1.0)
+
+
+def test_cpu_fast_path_is_compiled_here():
+    # the machines this course targets have a C compiler; without one the fallback is tested
+    # by test_cpu_fallback_without_compiler
+    assert cpu.fast_path_available()
+
+
+def test_cpu_prefetch_switch_does_not_change_results():
+    gen = torch.Generator().manual_seed(2)
+    W, x = randn(300, 257, gen=gen), randn(257, gen=gen)
+    idx = torch.randperm(300, generator=gen)[:100]
+    a = cpu.gather_rows_dot(W, x, idx, prefetch=True)
+    b = cpu.gather_rows_dot(W, x, idx, prefetch=False)
+    assert torch.equal(a, b)
+    assert rel_err(a[0], gather_gemv_ref(W.double(), x.double(), idx)) <= RTOL
+
+
+def test_hugepage_copy_is_an_aligned_equal_copy():
+    t = torch.randn(1100, 1000)
+    h = cpu.hugepage_copy(t)
+    assert torch.equal(h, t) and h.is_contiguous() and h.data_ptr() % cpu.HUGE_PAGE == 0
+    assert h.data_ptr() != t.data_ptr()
+
+
+def test_cpu_fallback_without_compiler(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    W, x = randn(40, 30, gen=gen), randn(30, gen=gen)
+    idx = torch.tensor([4, 1, 39])
+    monkeypatch.setattr(cpu, "load_library", lambda: None)
+    ref = gather_gemv_ref(W.double(), x.double(), idx)
+    assert rel_err(cpu.gather_gemv(W, x, idx), ref) <= RTOL
+    W_t, idx = randn(30, 40, gen=gen), torch.tensor([4, 1, 29])
+    ref = sparse_input_gemv_ref(W_t.double(), x.double(), idx=idx)
+    assert rel_err(cpu.sparse_input_gemv(W_t, x, idx=idx), ref) <= RTOL
+
+
+def test_missing_compiler_warns_with_the_fix(monkeypatch):
+    monkeypatch.setattr(cpu, "find_compiler", lambda: None)
+    cpu.load_library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="Install gcc or clang"):
+            assert cpu.load_library() is None
+    finally:
+        cpu.load_library.cache_clear()
+
+
+# ---- bad input: one clear exception naming the fix ----------------------------------------
+
+
+ALL_BACKENDS = [kernels, cpu]
+
+
+@pytest.mark.parametrize("mod", ALL_BACKENDS, ids=["triton", "cpu"])
+def test_bad_shapes_and_indices_raise(mod):
+    W, x = torch.randn(10, 8), torch.randn(8)
+    with pytest.raises(ValueError, match=r"x must have shape \[8\]"):
+        mod.gather_gemv(W, torch.randn(9), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        mod.gather_gemv(W, x, torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        mod.gather_gemv(W, x, torch.tensor([-1]))
+    with pytest.raises(ValueError, match="integer tensor"):
+        mod.gather_gemv(W, x, torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="2-D weight"):
+        mod.gather_gemv(torch.randn(10), x, torch.tensor([0]))
+    with pytest.raises(ValueError, match="exactly one of threshold"):
+        mod.sparse_input_gemv(torch.randn(8, 5), x)
+    with pytest.raises(ValueError, match="exactly one of threshold"):
+        mod.sparse_input_gemv(torch.randn(8, 5), x, threshold=0.1, idx=torch.tensor([0]))
+    with pytest.raises(ValueError, match="threshold must be a number >= 0"):
+        mod.sparse_input_gemv(torch.randn(8, 5), x, threshold=-1.0)
+    with pytest.raises(ValueError, match="W_t is W transposed"):
+        mod.sparse_input_gemv(torch.randn(5, 8), x, threshold=0.1)
+    Wg = torch.randn(6, 8)
+    with pytest.raises(ValueError, match="Unknown activation"):
+        mod.sparse_ffn(x, Wg, Wg, Wg, torch.tensor([0]), "tanh")
+    with pytest.raises(ValueError, match="down_proj.weight.T"):
+        mod.sparse_ffn(x, Wg, Wg, Wg.T, torch.tensor([0]), "silu")
+
+
+def test_triton_on_cpu_without_interpreter_names_the_fix(monkeypatch):
+    from minisparse.kernels import interpreter
+
+    monkeypatch.setattr(interpreter, "INTERPRETING", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        interpreter.check_launchable(torch.randn(3))
