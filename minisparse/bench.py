@@ -67,6 +67,20 @@ def copy_bandwidth(
     return 2 * nbytes / seconds / 1e9
 
 
+def read_bandwidth(
+    nbytes: int = 256 * 2**20,
+    repeats: int = 10,
+    device: torch.device | str | None = None,
+) -> float:
+    """Measured read bandwidth in GB/s: a sum over a large tensor reads ``nbytes`` per run.
+
+    This is the right reference for decoding, which streams weights and writes almost nothing.
+    """
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    seconds = median_time(lambda: src.sum(), repeats=repeats, warmup=2, device=device)
+    return nbytes / seconds / 1e9
+
+
 def roofline_seconds(nbytes: int, bandwidth_gbs: float) -> float:
     """Lower bound on the time to stream ``nbytes`` at ``bandwidth_gbs`` GB/s."""
     return nbytes / (bandwidth_gbs * 1e9)

@@ -2,7 +2,9 @@
 
 The default corpus is the Python reference manual that ships with every CPython
 (``pydoc_data.topics``): about 65k words of human-written English with code, available offline.
-It is split deterministically into three disjoint parts by paragraph:
+Paragraphs that occur more than once (the manual repeats some passages across topics) are kept
+once, so no evaluation paragraph is also a training paragraph. The text is then split
+deterministically into three disjoint parts by paragraph:
 
     train  the first 80 % of the characters   (fine-tuning, predictor training)
     calib  the next 10 %                       (thresholds, quantization calibration)
@@ -29,6 +31,19 @@ def pydoc_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name].strip() for name in sorted(topics))
+
+
+def dedupe_paragraphs(text: str) -> str:
+    """``text`` with every repeated paragraph after its first occurrence removed."""
+    seen: set[str] = set()
+    kept = []
+    for par in text.split("\n\n"):
+        key = par.strip()
+        if key and key in seen:
+            continue
+        seen.add(key)
+        kept.append(par)
+    return "\n\n".join(kept)
 
 
 def split_text(text: str, split: str) -> str:
@@ -69,7 +84,7 @@ def corpus(name: str = "pydoc", split: str = "eval") -> str:
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; use one of {SPLITS}.")
     if name == "pydoc":
-        return split_text(pydoc_text(), split)
+        return split_text(dedupe_paragraphs(pydoc_text()), split)
     if name == "wikitext-2":
         return wikitext_text(split) if split != "all" else wikitext_text("train")
     path = Path(name).expanduser()
@@ -77,7 +92,7 @@ def corpus(name: str = "pydoc", split: str = "eval") -> str:
         raise FileNotFoundError(
             f"Unknown corpus {name!r}: use 'pydoc', 'wikitext-2', or the path of a text file."
         )
-    return split_text(path.read_text(encoding="utf-8"), split)
+    return split_text(dedupe_paragraphs(path.read_text(encoding="utf-8")), split)
 
 
 def encode(tokenizer: Any, text: str) -> Tensor:

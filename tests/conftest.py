@@ -1,0 +1,51 @@
+"""Shared fixtures: the embedded model (loaded once), transformers' reference, tiny random models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import minisparse
+from minisparse.loading import load_hf_reference
+from minisparse.model import ModelConfig, Transformer, init_weights
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """(model, tokenizer) of the embedded SmolLM2-135M, shared by every test; do not modify."""
+    return minisparse.load()
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers' own LlamaForCausalLM read from the embedded GGUF."""
+    model, _ = load_hf_reference()
+    return model.eval()
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A small random-weight config (2 layers) for fast exactness tests."""
+    base = dict(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
+                ffn_dim=80, rope_theta=10000.0, max_seq_len=96, tie_embeddings=True,
+                eos_token_ids=[])
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    return init_weights(Transformer(tiny_config(**overrides)), seed=seed).eval()
+
+
+def save_tiny_hf(directory: Path, seed: int = 0, **config) -> Path:
+    """Save a tiny random transformers LlamaForCausalLM with save_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    defaults = dict(vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    tie_word_embeddings=False)
+    defaults.update(config)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**defaults)).save_pretrained(directory)
+    return directory

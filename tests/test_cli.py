@@ -1,0 +1,68 @@
+"""The command line: info, generate, tour, bench decode, and clean errors."""
+
+from __future__ import annotations
+
+from conftest import save_tiny_hf, tiny_model
+
+import minisparse
+from minisparse.bench import bench_decode, median_time
+from minisparse.cli import main
+from minisparse.hf import to_hf
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "30 layers" in out and "134.5 M parameters" in out and "cache:" in out
+
+
+def test_generate_streams(capsys, embedded):
+    model, tokenizer = embedded
+    assert main(["generate", "The while statement", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    expected = tokenizer.decode(minisparse.generate(model, tokenizer, "The while statement",
+                                                    max_new_tokens=6))
+    assert out.startswith("The while statement") and expected.strip() in out
+
+
+def test_tour_runs_and_saves_a_figure(tmp_path, capsys):
+    out = tmp_path / "tour.png"
+    assert main(["tour", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert out.stat().st_size > 10_000
+    assert "same top-1 token at 100% of positions" in text
+    assert "exactly zero" in text
+
+
+def test_bench_decode_on_a_local_checkpoint(tmp_path, capsys, embedded):
+    save_tiny_hf(tmp_path, seed=41, vocab_size=49152)
+    embedded[1].save_pretrained(tmp_path)
+    code = main(["bench", "decode", "--model", str(tmp_path), "--max-new-tokens", "8",
+                 "--repeats", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("same tokens: True") == 2
+
+
+def test_bench_decode_function_reports_identical_tokens():
+    model = tiny_model(seed=42)
+    hf = to_hf(model)
+
+    class Tok:
+        eos_token_id = None
+
+    result = bench_decode(model, Tok(), hf, [3, 1, 4, 1, 5], max_new_tokens=12, repeats=2,
+                          progress=False)
+    assert result.same_tokens and result.new_tokens == 12
+    assert result.minisparse_tok_s > 0 and result.transformers_tok_s > 0
+
+
+def test_median_time_counts_calls():
+    calls = []
+    median_time(lambda: calls.append(1), repeats=5, warmup=2)
+    assert len(calls) == 7
+
+
+def test_errors_are_one_line(capsys):
+    assert main(["info", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Unknown model") and err.count("\n") == 1
