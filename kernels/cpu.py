@@ -17,6 +17,10 @@ there on a CPU takes three things, each one measured in the chapter's benchmark:
    miss and a page walk that a dense stream amortises. Weights placed in 2 MiB transparent
    huge pages (``hugepage_copy``; Linux, ``madvise(MADV_HUGEPAGE)``) remove most of them.
 
+The column-sparse loop also sums its rows in groups of eight in registers before adding them to
+the output: more streams in flight, and a rounding chain of n / 8 additions instead of n, which
+keeps it as accurate as the dense GEMV on a 30-layer model.
+
 The loops are a few lines of C, compiled on first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``; OpenMP across cores) into a per-user cache and loaded
 with ctypes; they link the OpenMP runtime torch already loaded, so both share one thread pool.
@@ -79,23 +83,34 @@ static float dot_prefetch(const float* row, const float* x, int64_t K, const flo
     return acc;
 }
 
-/* y += a1 * r1 + a2 * r2 (r2 may be 0): two rows per pass halve the reads and writes of y
-   and keep two streams in flight; it prefetches the next two rows (n1, n2; may be 0). */
-static void axpy2_prefetch(float* y, float a1, const float* r1, float a2, const float* r2,
-                           int64_t N, const float* n1, const float* n2) {
+/* y += sum_r a[r] * rows[r] over a group of g <= GROUP rows. The group is summed in registers
+   first and added to y once: y sees n / GROUP additions instead of n (a shorter rounding chain,
+   fewer passes over y) and g streams are in flight at once. next[0..ng) is the next group. */
+#define GROUP 8
+static void axpy_group(float* y, const float* a, const float* const* rows, int g,
+                       const float* const* next, int ng, int64_t N) {
     int64_t c = 0;
     for (; c + 64 <= N; c += 64) {
-        for (int q = 0; q < 64; q += 16) {
-            if (n1) __builtin_prefetch(n1 + c + q, 0, 0);
-            if (n2) __builtin_prefetch(n2 + c + q, 0, 0);
+        for (int r = 0; r < ng; r++)
+            for (int q = 0; q < 64; q += 16) __builtin_prefetch(next[r] + c + q, 0, 0);
+        v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        for (int r = 0; r < g; r++) {
+            const float* row = rows[r] + c;
+            s0 += a[r] * load16(row);
+            s1 += a[r] * load16(row + 16);
+            s2 += a[r] * load16(row + 32);
+            s3 += a[r] * load16(row + 48);
         }
-        for (int q = 0; q < 64; q += 16) {
-            v16 acc = load16(y + c + q) + a1 * load16(r1 + c + q);
-            if (r2) acc += a2 * load16(r2 + c + q);
-            store16(y + c + q, acc);
-        }
+        store16(y + c, load16(y + c) + s0);
+        store16(y + c + 16, load16(y + c + 16) + s1);
+        store16(y + c + 32, load16(y + c + 32) + s2);
+        store16(y + c + 48, load16(y + c + 48) + s3);
     }
-    for (; c < N; c++) y[c] += a1 * r1[c] + (r2 ? a2 * r2[c] : 0.0f);
+    for (; c < N; c++) {
+        float acc = 0.0f;
+        for (int r = 0; r < g; r++) acc += a[r] * rows[r][c];
+        y[c] += acc;
+    }
 }
 
 /* Row-sparse GEMV: y[b, i] = sum_k W[idx[i], k] x[b, k]. Chunks of rows go to threads. */
@@ -111,22 +126,26 @@ void gather_gemv_f32(const float* W, int64_t ldw, const float* x, int64_t B, int
 }
 
 /* Column-sparse GEMV: y[b, :] = sum_i v[b, i] Wt[idx[i], :] (y zeroed by the caller).
-   Chunks of active-row pairs go to threads; each sums into its own buffer, then adds it to y. */
+   Groups of GROUP active rows go to threads; each sums into its own buffer, then adds it to y. */
 void scatter_gemv_f32(const float* Wt, int64_t ldw, const float* v, int64_t B, int64_t n,
                       const int64_t* idx, int64_t N, float* y, int prefetch) {
     #pragma omp parallel if (n * N >= PARALLEL_MIN)
     {
         float* part = (float*)calloc((size_t)(B * N), sizeof(float));
-        #pragma omp for schedule(dynamic, 8) nowait
-        for (int64_t pair = 0; pair < (n + 1) / 2; pair++) {
-            int64_t i = 2 * pair;
-            const float* r1 = Wt + idx[i] * ldw;
-            const float* r2 = i + 1 < n ? Wt + idx[i + 1] * ldw : 0;
-            const float* n1 = (prefetch && i + 2 < n) ? Wt + idx[i + 2] * ldw : 0;
-            const float* n2 = (prefetch && i + 3 < n) ? Wt + idx[i + 3] * ldw : 0;
-            for (int64_t b = 0; b < B; b++)
-                axpy2_prefetch(part + b * N, v[b * n + i], r1, r2 ? v[b * n + i + 1] : 0.0f,
-                               r2, N, b == 0 ? n1 : 0, b == 0 ? n2 : 0);
+        #pragma omp for schedule(dynamic, 2) nowait
+        for (int64_t grp = 0; grp < (n + GROUP - 1) / GROUP; grp++) {
+            int64_t i0 = grp * GROUP;
+            int g = n - i0 < GROUP ? (int)(n - i0) : GROUP;
+            int ng = prefetch ? (n - i0 - g < GROUP ? (int)(n - i0 - g) : GROUP) : 0;
+            const float* rows[GROUP];
+            const float* next[GROUP];
+            float a[GROUP];
+            for (int r = 0; r < g; r++) rows[r] = Wt + idx[i0 + r] * ldw;
+            for (int r = 0; r < ng; r++) next[r] = Wt + idx[i0 + g + r] * ldw;
+            for (int64_t b = 0; b < B; b++) {
+                for (int r = 0; r < g; r++) a[r] = v[b * n + i0 + r];
+                axpy_group(part + b * N, a, rows, g, next, b == 0 ? ng : 0, N);
+            }
         }
         #pragma omp critical
         for (int64_t c = 0; c < B * N; c++) y[c] += part[c];
