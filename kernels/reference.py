@@ -67,7 +67,7 @@ def input_mask(x: Tensor, threshold: float | None = None, idx: Tensor | None = N
 def sparse_input_gemv_ref(
     W_t: Tensor, x: Tensor, threshold: float | None = None, idx: Tensor | None = None
 ) -> Tensor:
-    """Column-sparse GEMV: (x * mask) @ W_t with W_t = W^T of shape [K, N]; returns [N] or [B, N]."""
+    """Column-sparse GEMV: (x * mask) @ W_t, W_t = W^T of shape [K, N]; returns [N] or [B, N]."""
     acc = accumulation_dtype(x.dtype)
     masked = torch.where(input_mask(x, threshold, idx), x, torch.zeros_like(x))
     return (masked.to(acc) @ W_t.to(acc)).to(x.dtype)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -100,8 +101,9 @@ class DecodeResult:
         return self.minisparse_tok_s / self.transformers_tok_s
 
 
-def hf_greedy(hf_model: torch.nn.Module, ids: list[int], max_new_tokens: int,
-              eos_ids: list[int]) -> list[int]:
+def hf_greedy(
+    hf_model: torch.nn.Module, ids: list[int], max_new_tokens: int, eos_ids: list[int]
+) -> list[int]:
     """Greedy tokens from transformers' ``generate`` (the reference decode loop)."""
     x = torch.tensor([ids], device=next(hf_model.parameters()).device)
     out = hf_model.generate(
@@ -112,7 +114,7 @@ def hf_greedy(hf_model: torch.nn.Module, ids: list[int], max_new_tokens: int,
         eos_token_id=eos_ids or None,
         pad_token_id=eos_ids[0] if eos_ids else 0,
     )
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def bench_decode(

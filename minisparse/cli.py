@@ -1,10 +1,10 @@
 """The ``minisparse`` command line: info, generate, tour and benchmarks.
 
-    minisparse info                          model shape, parameter count, cache location
-    minisparse generate "prompt" [--chat]    stream a continuation (or a chat answer)
-    minisparse tour                          the five-minute tour of the real model
-    minisparse bench decode                  minisparse vs transformers decode speed
-    minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
+minisparse info                          model shape, parameter count, cache location
+minisparse generate "prompt" [--chat]    stream a continuation (or a chat answer)
+minisparse tour                          the five-minute tour of the real model
+minisparse bench decode                  minisparse vs transformers decode speed
+minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ import torch
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="short name, local directory, .gguf file or Hugging Face id")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="short name, local directory, .gguf file or Hugging Face id",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
 
 
@@ -27,8 +30,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .tour import describe
 
     model, _ = load(args.model, device=args.device)
-    print(f"model:  {args.model}\nshape:  {describe(model)}\ndevice: {model.device}\n"
-          f"cache:  {cache_dir()}")
+    print(
+        f"model:  {args.model}\nshape:  {describe(model)}\ndevice: {model.device}\n"
+        f"cache:  {cache_dir()}"
+    )
     return 0
 
 
@@ -40,9 +45,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if not args.chat:
         print(args.prompt, end="", flush=True)
-    generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens,
-             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-             stream=True)
+    generate(
+        model,
+        tokenizer,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stream=True,
+    )
     return 0
 
 
@@ -66,24 +79,35 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     hf_model, _ = load_hf_reference(args.model)
     hf_model = hf_model.to(model.device).eval()
     row_major, _ = load(args.model, device=args.device, input_major=False)
-    print(f"prompt: {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, batch 1, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats} after warm-up")
+    print(
+        f"prompt: {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, batch 1, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats} after warm-up"
+    )
     results = {
         "minisparse (input-major weights)": bench_decode(
-            model, tokenizer, hf_model, args.prompt, args.max_new_tokens, args.repeats),
+            model, tokenizer, hf_model, args.prompt, args.max_new_tokens, args.repeats
+        ),
         "minisparse (output-major weights)": bench_decode(
-            use_output_major_weights(row_major), tokenizer, hf_model, args.prompt,
-            args.max_new_tokens, args.repeats),
+            use_output_major_weights(row_major),
+            tokenizer,
+            hf_model,
+            args.prompt,
+            args.max_new_tokens,
+            args.repeats,
+        ),
     }
     for name, r in results.items():
-        print(f"{name:36s} {r.minisparse_tok_s:6.1f} tok/s | transformers {r.transformers_tok_s:6.1f}"
-              f" tok/s | ratio {r.speedup:.2f}x | same tokens: {r.same_tokens}")
+        print(
+            f"{name:36s} {r.minisparse_tok_s:6.1f} tok/s | transformers {r.transformers_tok_s:6.1f}"
+            f" tok/s | ratio {r.speedup:.2f}x | same tokens: {r.same_tokens}"
+        )
     return 0 if all(r.same_tokens for r in results.values()) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minisparse", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="minisparse", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="model shape, parameter count, cache location")

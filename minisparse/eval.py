@@ -50,8 +50,9 @@ def mean_nll(
         chunk = chunk.to(device)
         logits = model(chunk)[:, :-1].float()
         targets = chunk[:, 1:]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               reduction="sum")
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        )
         total += loss.item()
         count += targets.numel()
     return total / count

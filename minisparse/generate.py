@@ -17,7 +17,8 @@ largest, top-p (nucleus) keeps the smallest set whose mass reaches p; T = 0 mean
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -108,7 +109,7 @@ class TextStreamer:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return
-        self.write(text[self.printed:])
+        self.write(text[self.printed :])
         self.printed = len(text)
 
     def end(self) -> None:

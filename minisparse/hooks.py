@@ -7,8 +7,8 @@ changing the model. Hooks are removed when the ``with`` block ends, even after a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -52,8 +52,9 @@ def mlp_activations(model: nn.Module, tokens: Tensor) -> dict[str, Tensor]:
     """Per layer, the MLP activation act(W_gate x) for ``tokens``: [tokens, ffn_dim] each."""
     with capture_outputs(mlp_activation_modules(model)) as store:
         model(tokens.to(next(model.parameters()).device))
-    return {name: torch.cat([o.reshape(-1, o.shape[-1]) for o in outs]) for name, outs in
-            store.items()}
+    return {
+        name: torch.cat([o.reshape(-1, o.shape[-1]) for o in outs]) for name, outs in store.items()
+    }
 
 
 def zero_fraction(x: Tensor, below: float = 0.0) -> float:

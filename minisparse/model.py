@@ -25,8 +25,9 @@ Every submodule is a plain attribute: ``model.layers[i].attn.{q,k,v,o}_proj``,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,12 +81,12 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Read a transformers ``LlamaConfig`` (or a compatible one)."""
         n_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
@@ -175,7 +176,7 @@ class KVCache(nn.Module):
         self.max_seq_len = max_seq_len
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [batch, n_kv_heads, seq, head_dim] at ``input_pos`` [seq]; return k/v[:end]."""
+        """Store k, v [batch, kv_heads, seq, head_dim] at ``input_pos`` [seq]; return k, v[:end]."""
         end = int(input_pos[-1]) + 1
         if end > self.max_seq_len:
             raise ValueError(
@@ -349,7 +350,7 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden_states(tokens, input_pos, cache))
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module) -> "Transformer":
+    def from_hf(cls, hf_model: nn.Module) -> Transformer:
         """A ``Transformer`` holding the weights of a transformers ``LlamaForCausalLM``."""
         from .hf import from_hf
 
@@ -423,21 +424,21 @@ def flops_per_token(config: ModelConfig, context: int = 0) -> int:
 
 __all__ = [
     "ACTIVATIONS",
+    "MLP",
+    "Attention",
+    "Block",
+    "KVCache",
     "ModelConfig",
     "RMSNorm",
-    "KVCache",
-    "Attention",
-    "MLP",
-    "Block",
     "Transformer",
-    "make_cache",
     "apply_rope",
+    "causal_mask",
+    "flops_per_token",
+    "init_weights",
+    "make_cache",
+    "param_bytes",
     "rope_cos_sin",
     "rope_inv_freq",
-    "causal_mask",
-    "init_weights",
     "use_input_major_weights",
     "use_output_major_weights",
-    "param_bytes",
-    "flops_per_token",
 ]

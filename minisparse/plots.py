@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -10,8 +10,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 
-def activation_histogram(values: torch.Tensor, title: str, bins: int = 200,
-                         clip: float = 2.0) -> Figure:
+def activation_histogram(
+    values: torch.Tensor, title: str, bins: int = 200, clip: float = 2.0
+) -> Figure:
     """Histogram of activation values in [-clip, clip] on a log count axis."""
     from matplotlib.figure import Figure
 
@@ -20,7 +21,7 @@ def activation_histogram(values: torch.Tensor, title: str, bins: int = 200,
     data = values.flatten().float().clamp(-clip, clip).numpy()
     ax.hist(data, bins=bins, color="tab:blue")
     ax.set_yscale("log")
-    ax.set_xlabel("activation value (clipped to ±%g)" % clip)
+    ax.set_xlabel(f"activation value (clipped to ±{clip:g})")
     ax.set_ylabel("count (log scale)")
     ax.set_title(title)
     return fig

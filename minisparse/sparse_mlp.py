@@ -198,7 +198,7 @@ def swap_mlps(model: Transformer, mlps: Sequence[nn.Module]) -> list[nn.Module]:
     if len(mlps) != len(model.layers):
         raise ValueError(f"Got {len(mlps)} MLPs for a model with {len(model.layers)} layers.")
     old = [layer.mlp for layer in model.layers]
-    for layer, mlp in zip(model.layers, mlps):
+    for layer, mlp in zip(model.layers, mlps, strict=True):
         layer.mlp = mlp
     return old
 
@@ -284,7 +284,10 @@ def same_masks(model: Transformer, sparse: Sequence[SparseMLP]) -> list[MaskedML
     model's by float rounding), and one flip moves the rest of the computation. Replaying the
     sparse model's masks compares the kernels, not the luck of the ties.
     """
-    return [MaskedMLP(layer.mlp, keep=sp.last_keep) for layer, sp in zip(model.layers, sparse)]
+    return [
+        MaskedMLP(layer.mlp, keep=sp.last_keep)
+        for layer, sp in zip(model.layers, sparse, strict=True)
+    ]
 
 
 @torch.no_grad()

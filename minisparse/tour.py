@@ -37,8 +37,9 @@ class ActivationSummary:
     per_layer_below_0_01: list[float] = field(default_factory=list)
 
 
-def summarize_activations(acts: dict[str, torch.Tensor],
-                          thresholds: tuple[float, ...] = (1e-3, 1e-2, 1e-1)) -> ActivationSummary:
+def summarize_activations(
+    acts: dict[str, torch.Tensor], thresholds: tuple[float, ...] = (1e-3, 1e-2, 1e-1)
+) -> ActivationSummary:
     """Exact-zero and near-zero shares of the MLP activations, overall and per layer."""
     every = torch.cat([a.flatten() for a in acts.values()])
     return ActivationSummary(
@@ -67,34 +68,47 @@ def run_tour(out: Path = Path("minisparse-tour.png"), max_new_tokens: int = 48) 
     t0 = time.perf_counter()
     model, tokenizer = load()
     report["load_s"] = time.perf_counter() - t0
-    print(f"    {describe(model)}\n    loaded in {report['load_s']:.1f} s "
-          f"(weight cache: {cache_dir()})")
+    print(
+        f"    {describe(model)}\n    loaded in {report['load_s']:.1f} s "
+        f"(weight cache: {cache_dir()})"
+    )
 
     print(f"2/5 Chat. Q: {QUESTION}\n    A: ", end="", flush=True)
     t0 = time.perf_counter()
-    answer = generate(model, tokenizer, [{"role": "user", "content": QUESTION}],
-                      max_new_tokens=max_new_tokens, stream=True)
+    answer = generate(
+        model,
+        tokenizer,
+        [{"role": "user", "content": QUESTION}],
+        max_new_tokens=max_new_tokens,
+        stream=True,
+    )
     seconds = time.perf_counter() - t0
     report["answer"] = tokenizer.decode(answer, skip_special_tokens=True)
     report["chat_tok_s"] = len(answer) / seconds
     print(f"    {len(answer)} tokens at {report['chat_tok_s']:.1f} tokens/s (prefill included)")
 
-    print("3/5 Checking logits against transformers' own model (loads the GGUF, ~20 s) ...",
-          flush=True)
+    print(
+        "3/5 Checking logits against transformers' own model (loads the GGUF, ~20 s) ...",
+        flush=True,
+    )
     hf_model, _ = load_hf_reference()
     tokens = token_batches(tokenizer, corpus(split="eval"), seq_len=64, n=1)
     parity: Parity = compare_logits(model, hf_model.eval(), tokens)
     del hf_model
     report["parity"] = parity
-    print(f"    64 tokens: max |logit difference| = {parity.max_abs_diff:.2e}, "
-          f"same top-1 token at {parity.argmax_agreement:.0%} of positions")
+    print(
+        f"    64 tokens: max |logit difference| = {parity.max_abs_diff:.2e}, "
+        f"same top-1 token at {parity.argmax_agreement:.0%} of positions"
+    )
 
     print("4/5 Recording the MLP activations act(W_gate x) on 256 tokens of text ...", flush=True)
     acts = mlp_activations(model, token_batches(tokenizer, corpus(split="eval"), 256, 1))
     summary = summarize_activations(acts)
     report["activations"] = summary
-    print(f"    exactly zero: {summary.exact_zero:.3%}; "
-          + ", ".join(f"|a| <= {t:g}: {v:.1%}" for t, v in summary.below.items()))
+    print(
+        f"    exactly zero: {summary.exact_zero:.3%}; "
+        + ", ".join(f"|a| <= {t:g}: {v:.1%}" for t, v in summary.below.items())
+    )
 
     print(f"5/5 Saving the activation histogram to {out}")
     every = torch.cat([a.flatten() for a in acts.values()])
@@ -102,7 +116,9 @@ def run_tour(out: Path = Path("minisparse-tour.png"), max_new_tokens: int = 48) 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     report["figure"] = out
-    print("\nDone. SiLU leaves almost no exact zeros: making them appear (ReLU, thresholds) and "
-          "turning them into skipped work is what the rest of the course is about. Open "
-          "notebooks/00_tour.ipynb next.")
+    print(
+        "\nDone. SiLU leaves almost no exact zeros: making them appear (ReLU, thresholds) and "
+        "turning them into skipped work is what the rest of the course is about. Open "
+        "notebooks/00_tour.ipynb next."
+    )
     return report

@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded model (loaded once), transformers' reference, tiny random models."""
+"""Shared fixtures: the embedded model (loaded once), transformers' reference, tiny models."""
 
 from __future__ import annotations
 
@@ -27,9 +27,19 @@ def hf_reference():
 
 def tiny_config(**overrides) -> ModelConfig:
     """A small random-weight config (2 layers) for fast exactness tests."""
-    base = dict(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
-                ffn_dim=80, rope_theta=10000.0, max_seq_len=96, tie_embeddings=True,
-                eos_token_ids=[])
+    base = {
+        "vocab_size": 97,
+        "dim": 48,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 12,
+        "ffn_dim": 80,
+        "rope_theta": 10000.0,
+        "max_seq_len": 96,
+        "tie_embeddings": True,
+        "eos_token_ids": [],
+    }
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -42,9 +52,16 @@ def save_tiny_hf(directory: Path, seed: int = 0, **config) -> Path:
     """Save a tiny random transformers LlamaForCausalLM with save_pretrained."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    defaults = dict(vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                    tie_word_embeddings=False)
+    defaults = {
+        "vocab_size": 101,
+        "hidden_size": 48,
+        "intermediate_size": 72,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    }
     defaults.update(config)
     torch.manual_seed(seed)
     LlamaForCausalLM(LlamaConfig(**defaults)).save_pretrained(directory)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import save_tiny_hf, tiny_model
-
 import minisparse
+from conftest import save_tiny_hf, tiny_model
 from minisparse.bench import bench_decode, median_time
 from minisparse.cli import main
 from minisparse.hf import to_hf
@@ -20,8 +19,9 @@ def test_generate_streams(capsys, embedded):
     model, tokenizer = embedded
     assert main(["generate", "The while statement", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
-    expected = tokenizer.decode(minisparse.generate(model, tokenizer, "The while statement",
-                                                    max_new_tokens=6))
+    expected = tokenizer.decode(
+        minisparse.generate(model, tokenizer, "The while statement", max_new_tokens=6)
+    )
     assert out.startswith("The while statement") and expected.strip() in out
 
 
@@ -37,8 +37,20 @@ def test_tour_runs_and_saves_a_figure(tmp_path, capsys):
 def test_bench_decode_on_a_local_checkpoint(tmp_path, capsys, embedded):
     save_tiny_hf(tmp_path, seed=41, vocab_size=49152)
     embedded[1].save_pretrained(tmp_path)
-    code = main(["bench", "decode", "--model", str(tmp_path), "--max-new-tokens", "8",
-                 "--repeats", "2", "--device", "cpu"])
+    code = main(
+        [
+            "bench",
+            "decode",
+            "--model",
+            str(tmp_path),
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and out.count("same tokens: True") == 2
 
@@ -50,8 +62,9 @@ def test_bench_decode_function_reports_identical_tokens():
     class Tok:
         eos_token_id = None
 
-    result = bench_decode(model, Tok(), hf, [3, 1, 4, 1, 5], max_new_tokens=12, repeats=2,
-                          progress=False)
+    result = bench_decode(
+        model, Tok(), hf, [3, 1, 4, 1, 5], max_new_tokens=12, repeats=2, progress=False
+    )
     assert result.same_tokens and result.new_tokens == 12
     assert result.minisparse_tok_s > 0 and result.transformers_tok_s > 0
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
 
+from conftest import tiny_model
 from minisparse.data import corpus, dedupe_paragraphs, pydoc_text, split_text, token_batches
 from minisparse.eval import mean_nll, perplexity
 

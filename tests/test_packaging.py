@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +19,7 @@ def environment_pip_section() -> list[str]:
     lines = (ROOT / "environment.yml").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "- pip:")
     reqs = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         stripped = line.strip()
         if not stripped.startswith("- "):
             break

@@ -130,7 +130,7 @@ def test_calibrated_thresholds_hit_the_target_sparsity():
     calib = tokens(5, (4, 16))
     limits = S.calibrate_thresholds(model, calib, 0.7)
     acts = S.gate_activations(model, calib)
-    for t, a in zip(limits, acts):
+    for t, a in zip(limits, acts, strict=True):
         assert abs((a <= t).float().mean().item() - 0.7) < 0.02
 
 
