@@ -37,6 +37,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -159,11 +160,21 @@ MADV_HUGEPAGE = 14
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels live: $MINISPARSE_CACHE, else ~/.cache/minisparse."""
-    root = os.environ.get("MINISPARSE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minisparse"
-    )
-    return Path(root) / "cpu_kernels"
+    """Where compiled kernels live: ``cpu_kernels`` in minisparse's cache directory."""
+    from ..loading import cache_dir as minisparse_cache_dir
+
+    return minisparse_cache_dir() / "cpu_kernels"
+
+
+def cpu_identity() -> str:
+    """The CPU model and its feature flags: a library built with -march=native is only valid on
+    the kind of CPU that built it, so this goes into the cache key."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return platform.machine() + "".join(sorted(set(lines)))
 
 
 def find_compiler() -> str | None:
@@ -208,7 +219,8 @@ def load_library() -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
-    key = hashlib.sha256((C_SOURCE + compiler + sys.platform).encode()).hexdigest()[:16]
+    identity = C_SOURCE + compiler + sys.platform + cpu_identity()
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     path = cache_dir() / f"sparse_gemv_{key}.so"
     try:
         if not path.exists():
@@ -309,6 +321,23 @@ def scatter_rows_sum(W_t: Tensor, v: Tensor, idx: Tensor, prefetch: bool = True)
             int(prefetch),
         )
     return y
+
+
+@functools.lru_cache(maxsize=64)
+def _all_rows(n: int) -> Tensor:
+    return torch.arange(n, dtype=torch.int64)
+
+
+def dense_gemv(W_t: Tensor, x: Tensor) -> Tensor:
+    """Dense GEMV y = x @ W_t with the streaming loop: the column-sparse kernel at s = 0.
+
+    W_t [K, N] contiguous (W transposed), x [K] or [1, K] float32 on the CPU; returns [N] or
+    [1, N]. The loop reads W_t's rows in memory order with software prefetch, which on the
+    course's CPU streams weights faster than the BLAS GEMV does at batch 1 (chapter 07
+    measures both); ``minisparse.model.Linear`` uses it for single-token decoding.
+    Needs the compiled library (``fast_path_available()``).
+    """
+    return _unbatch(scatter_rows_sum(W_t, x, _all_rows(W_t.shape[0])), x)
 
 
 def _unbatch(y: Tensor, x: Tensor) -> Tensor:

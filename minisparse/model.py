@@ -128,6 +128,38 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` with an optional streaming GEMV for single-token decoding on a CPU.
+
+    With ``streaming`` on (``use_streaming_gemv``), a float32 CPU input holding one row, a weight
+    stored input-major (``use_input_major_weights``) and no gradient needed, y = x W^T is
+    computed by ``minisparse.kernels.cpu.dense_gemv``: a small C loop that reads W^T's rows in
+    memory order with software prefetch (chapter 07 builds it). Every other case, prefill and
+    training included, is plain ``F.linear``. The module is still an ``nn.Linear``: code that
+    reads ``.weight`` or replaces it keeps working.
+    """
+
+    streaming: bool = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.streaming and self.can_stream(x):
+            from .kernels.cpu import dense_gemv
+
+            y = dense_gemv(self.weight.t(), x.reshape(1, -1)).view(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def can_stream(self, x: Tensor) -> bool:
+        w = self.weight
+        return (
+            x.numel() == self.in_features
+            and x.device.type == "cpu"
+            and x.dtype == w.dtype == torch.float32
+            and w.t().is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        )
+
+
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
     """theta_i = theta^(-2i/d) for i = 0 .. d/2 - 1 (the standard RoPE frequencies)."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -222,10 +254,10 @@ class Attention(nn.Module):
         c = config
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         bias = c.attention_bias
-        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=bias)
-        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=bias)
+        self.q_proj = Linear(c.dim, c.n_heads * c.head_dim, bias=bias)
+        self.k_proj = Linear(c.dim, c.n_kv_heads * c.head_dim, bias=bias)
+        self.v_proj = Linear(c.dim, c.n_kv_heads * c.head_dim, bias=bias)
+        self.o_proj = Linear(c.n_heads * c.head_dim, c.dim, bias=bias)
 
     def forward(
         self,
@@ -260,9 +292,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c = config
-        self.gate_proj = nn.Linear(c.dim, c.ffn_dim, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=c.mlp_bias)
+        self.gate_proj = Linear(c.dim, c.ffn_dim, bias=c.mlp_bias)
+        self.up_proj = Linear(c.dim, c.ffn_dim, bias=c.mlp_bias)
+        self.down_proj = Linear(c.ffn_dim, c.dim, bias=c.mlp_bias)
         self.act = ACTIVATIONS[c.hidden_act]()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -299,7 +331,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer(
@@ -380,6 +412,23 @@ def use_input_major_weights(model: nn.Module) -> nn.Module:
     return model
 
 
+def use_streaming_gemv(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Switch the streaming single-token GEMV of every ``Linear`` on (or off); in place.
+
+    Turning it on also stores the weights input-major, the layout the streaming loop reads.
+    Without a C compiler the loop is unavailable and ``F.linear`` is used, after one warning.
+    """
+    if enabled:
+        from .kernels.cpu import fast_path_available
+
+        use_input_major_weights(model)
+        enabled = fast_path_available()
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.streaming = enabled
+    return model
+
+
 def use_output_major_weights(model: nn.Module) -> nn.Module:
     """Undo ``use_input_major_weights``: make every ``nn.Linear`` weight contiguous [out, in]."""
     with torch.no_grad():
@@ -428,6 +477,7 @@ __all__ = [
     "Attention",
     "Block",
     "KVCache",
+    "Linear",
     "ModelConfig",
     "RMSNorm",
     "Transformer",
@@ -441,4 +491,5 @@ __all__ = [
     "rope_inv_freq",
     "use_input_major_weights",
     "use_output_major_weights",
+    "use_streaming_gemv",
 ]

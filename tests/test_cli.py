@@ -52,7 +52,7 @@ def test_bench_decode_on_a_local_checkpoint(tmp_path, capsys, embedded):
         ]
     )
     out = capsys.readouterr().out
-    assert code == 0 and out.count("same tokens: True") == 2
+    assert code == 0 and out.count("same tokens: True") == 3
 
 
 def test_bench_decode_function_reports_identical_tokens():

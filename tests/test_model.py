@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from minisparse.generate import generate
 from minisparse.hf import compare_logits, from_hf, to_hf
 from minisparse.model import (
     KVCache,
+    Linear,
     RMSNorm,
     Transformer,
     apply_rope,
@@ -17,6 +19,7 @@ from minisparse.model import (
     rope_inv_freq,
     use_input_major_weights,
     use_output_major_weights,
+    use_streaming_gemv,
 )
 
 # (n_heads, n_kv_heads, head_dim, hidden, tied): MHA, GQA ratio 3, GQA ratio 4, MQA, odd head_dim
@@ -181,3 +184,39 @@ def test_embedded_model_shape(embedded):
     assert c.tie_embeddings and c.vocab_size == 49152 and c.rope_theta == 100000.0
     assert isinstance(model, Transformer)
     assert 134e6 < model.num_parameters() < 135e6
+
+
+@pytest.mark.parametrize(("n_in", "n_out", "bias"), [(37, 101, False), (576, 1536, True)])
+def test_streaming_linear_matches_float64(n_in, n_out, bias):
+    gen = torch.Generator().manual_seed(n_in)
+    lin = Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, n_in, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(n_out, generator=gen))
+    use_streaming_gemv(lin)
+    assert lin.streaming and lin.weight.t().is_contiguous()
+    x = torch.randn(1, 1, n_in, generator=gen)
+    with torch.no_grad():
+        assert lin.can_stream(x)
+        got = lin(x)
+    ref = x.double() @ lin.weight.double().t() + (lin.bias.double() if bias else 0)
+    assert got.shape == (1, 1, n_out)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()) <= 1e-5
+    # several rows, or a gradient to compute, go to F.linear
+    assert not lin.can_stream(torch.randn(2, n_in))
+    lin.weight.requires_grad_(True)
+    assert not lin.can_stream(x)
+
+
+def test_streaming_decode_equals_torch_decode(embedded):
+    model, tokenizer = embedded
+    assert all(m.streaming for m in model.modules() if isinstance(m, Linear))
+    prompt = "Exceptions are raised when"
+    fast = generate(model, tokenizer, prompt, max_new_tokens=32)
+    use_streaming_gemv(model, False)
+    try:
+        plain = generate(model, tokenizer, prompt, max_new_tokens=32)
+    finally:
+        use_streaming_gemv(model, True)
+    assert fast == plain and len(fast) == 32
