@@ -10,6 +10,8 @@ minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -104,7 +106,15 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: Chapter benchmarks: ``minisparse bench NAME`` calls ``minisparse.<module>.run(args)`` after
+#: ``minisparse.<module>.add_arguments(parser)`` declared its options.
+CHAPTER_BENCHMARKS = {
+    "sparse-ffn": ("kernel_bench", "sparse FFN kernels vs dense and the ideal (chapter 07)"),
+    "speculative": ("speculative_bench", "plain vs speculative decoding per draft (chapter 10)"),
+}
+
+
+def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minisparse", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -137,19 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.set_defaults(func=cmd_bench_decode)
 
-    try:
-        from . import kernel_bench
-    except ImportError:  # the sparse-FFN benchmark module is optional
-        kernel_bench = None
-    if kernel_bench is not None:
-        p = bench.add_parser("sparse-ffn", help="sparse FFN kernels vs dense and the ideal")
-        kernel_bench.add_arguments(p)
-        p.set_defaults(func=kernel_bench.run)
+    if with_chapter_benchmarks:  # importing them loads triton: only when a benchmark is asked for
+        for name, (module_name, help_text) in CHAPTER_BENCHMARKS.items():
+            if importlib.util.find_spec(f"minisparse.{module_name}") is None:
+                continue
+            module = importlib.import_module(f"minisparse.{module_name}")
+            p = bench.add_parser(name, help=help_text)
+            module.add_arguments(p)
+            p.set_defaults(func=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(with_chapter_benchmarks="bench" in words).parse_args(argv)
     from .loading import ModelLoadError
 
     try:
