@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .model import Transformer, make_cache
+from .kvcache import make_kv_cache
+from .model import Transformer
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
@@ -128,11 +129,16 @@ def generate(
     seed: int | None = None,
     use_cache: bool = True,
     stream: bool | Callable[[str], Any] = False,
+    cache: str | Sequence[Any] = "static",
+    **cache_options: int,
 ) -> list[int]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt``; returns the new token ids.
 
     Stops after an end-of-sequence token (which is included). ``stream=True`` prints the text as
-    it is produced; a callable receives the text pieces instead.
+    it is produced; a callable receives the text pieces instead. ``cache`` picks the KV cache:
+    ``"static"`` (default), ``"paged"`` (``block_size=``), ``"sink"`` (``n_sink=``, ``window=``),
+    ``"h2o"`` (``budget=``, ``recent=``), or a fresh per-layer cache object
+    (``minisparse.kvcache``).
     """
     ids = encode_prompt(tokenizer, prompt)
     if max_new_tokens < 1:
@@ -157,12 +163,21 @@ def generate(
     stops = stop_ids(model, tokenizer)
 
     tokens = torch.tensor([ids], dtype=torch.long, device=device)
-    cache = make_cache(model.config, 1, total, model.dtype, device) if use_cache else None
+    if not use_cache:
+        if cache != "static" or cache_options:
+            raise ValueError("use_cache=False recomputes everything; drop the cache arguments.")
+        kv = None
+    elif isinstance(cache, str):
+        kv = make_kv_cache(cache, model.config, total, 1, model.dtype, device, **cache_options)
+    elif cache_options:
+        raise ValueError("Cache options apply to a cache name; configure a cache object itself.")
+    else:
+        kv = cache
     input_pos = torch.arange(len(ids), device=device)
     out: list[int] = []
     for _ in range(max_new_tokens):
         if use_cache:
-            hidden = model.hidden_states(tokens, input_pos, cache)
+            hidden = model.hidden_states(tokens, input_pos, kv)
         else:
             hidden = model.hidden_states(tokens)
         logits = model.lm_head(hidden[0, -1])

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "silu": nn.SiLU,
     "relu": nn.ReLU,
@@ -160,30 +162,6 @@ class Linear(nn.Linear):
         )
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
-    """theta_i = theta^(-2i/d) for i = 0 .. d/2 - 1 (the standard RoPE frequencies)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-
-
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin of the angles p * theta_i, shaped [seq, head_dim] (each half repeated)."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-    emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i+d/2}) of ``x`` [batch, heads, seq, d] by the given angles.
-
-    (x_1, x_2) -> (x_1 cos - x_2 sin, x_2 cos + x_1 sin), the "rotate half" layout used by
-    transformers' Llama (the GGUF loader converts llama.cpp's interleaved layout to this one).
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
-
-
 class KVCache(nn.Module):
     """Static, preallocated key/value cache for one attention layer.
 
@@ -273,6 +251,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
+            attend = getattr(cache, "attend", None)
+            if attend is not None:  # caches that choose or weigh the keys (chapter 02)
+                out = attend(q, k, v, input_pos)
+                return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             k, v = cache.update(input_pos, k, v)
         kv_len = k.shape[2]
         gqa = self.n_kv_heads != self.n_heads
@@ -322,7 +304,10 @@ class Transformer(nn.Module):
     """The full decoder: ``model(tokens [batch, seq], input_pos=None, cache=None) -> logits``.
 
     ``input_pos`` holds the absolute positions of ``tokens`` (default 0..seq-1). ``cache`` is a
-    sequence of per-layer caches (``make_cache``), each with ``update(input_pos, k, v)``.
+    sequence of per-layer caches (``make_cache``), each with ``update(input_pos, k, v)``
+    returning the keys/values to attend to (positions 0..end-1). A cache that also decides which
+    keys a query sees, or weighs them (``minisparse.kvcache``: sinks, H2O), instead defines
+    ``attend(q, k, v, input_pos) -> output`` [batch, heads, seq, head_dim] on rotated q and k.
     """
 
     def __init__(self, config: ModelConfig) -> None:
