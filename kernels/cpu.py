@@ -38,6 +38,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -194,7 +195,8 @@ def _compile(compiler: str, out: Path) -> None:
         src = Path(tmp) / "sparse_gemv.c"
         src.write_text(C_SOURCE)
         lib = Path(tmp) / out.name
-        base = [compiler, "-O3", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)]
+        base = [*shlex.split(compiler), "-O3", "-fopenmp", "-shared", "-fPIC", str(src)]
+        base += ["-o", str(lib)]
         last_error = ""
         for extra in (["-march=native"], []):  # -march=native is not known to every compiler
             proc = subprocess.run(base + extra, capture_output=True, text=True, check=False)
@@ -225,7 +227,12 @@ def load_library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             _compile(compiler, path)
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged file (an interrupted copy, a full disk): build it again
+            path.unlink(missing_ok=True)
+            _compile(compiler, path)
+            lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as err:
         warnings.warn(
             f"Compiling minisparse's CPU sparse kernels with {compiler!r} failed ({err}); "

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except (ModelLoadError, ValueError) as err:
+    except (ModelLoadError, ValueError, TypeError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -34,7 +34,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("The prompt is empty; pass some text, chat messages or token ids.")
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(prompt)["input_ids"])  # with BOS where the model expects one
     prompt = list(prompt)
     if not prompt:
         raise ValueError("The prompt is empty; pass some text, chat messages or token ids.")
@@ -60,6 +60,10 @@ def logits_to_probs(
     """Sampling distribution over the vocabulary from logits [..., vocab]."""
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling; use 0 only for greedy decoding.")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1 (or None for no limit), got {top_k}.")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None for no limit), got {top_p}.")
     z = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[..., -1:]
@@ -114,7 +118,8 @@ class TextStreamer:
         self.printed = len(text)
 
     def end(self) -> None:
-        self.write("\n")
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.write(text[self.printed :] + "\n")  # whatever was held back for a missing byte
 
 
 @torch.inference_mode()

@@ -84,7 +84,8 @@ def hf_config(config: ModelConfig) -> Any:
         num_attention_heads=config.n_heads,
         num_key_value_heads=config.n_kv_heads,
         head_dim=config.head_dim,
-        rope_theta=config.rope_theta,
+        rope_parameters={"rope_theta": config.rope_theta, "rope_type": "default"}
+        | (config.rope_scaling or {}),
         rms_norm_eps=config.norm_eps,
         tie_word_embeddings=config.tie_embeddings,
         max_position_embeddings=config.max_seq_len,

@@ -351,8 +351,10 @@ def bench_decode_sparse(
 ) -> DecodeSpeed:
     """Tokens/s of greedy decoding with the model's dense MLPs and with ``sparse`` MLPs.
 
-    The two runs alternate within each repeat (median of repeats, after warm-up). Only the
-    decode steps are timed per token; the prompt is processed by the same MLPs in both runs.
+    The two runs alternate within each repeat (median of repeats, after warm-up). Each run
+    times the whole ``generate`` call, prompt included, per new token; the sparse run uses the
+    sparse MLPs for the prompt too. ``mean_density`` is the fraction of neurons read at the last
+    decode step of a run (mean over layers), averaged over the runs.
     """
     from .generate import generate
     from .sparse_mlp import mean_density, swap_mlps

@@ -142,7 +142,13 @@ def hf_from_pretrained(name_or_path: str) -> tuple[torch.nn.Module, Any]:
         ) from err
     check_architecture(config, name_or_path)
     hf = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError, TypeError) as err:
+        raise ModelLoadError(
+            f"{name_or_path!r} has model weights but no usable tokenizer ({err}); save the "
+            "tokenizer next to them with tokenizer.save_pretrained(directory)."
+        ) from err
     return hf, tokenizer
 
 
@@ -256,9 +262,9 @@ def load(
     ``name_or_path`` is a short name from ``KNOWN_MODELS`` (default: the embedded, offline
     SmolLM2-135M-Instruct), a local directory saved by transformers, a local ``.gguf`` file, or
     a Hugging Face id. The model comes back in eval mode with gradients switched off (switch
-    them on for the parameters you fine-tune). With ``fast_decode`` (default) the linear weights
-    are stored input-major and single-token steps on a CPU use the streaming GEMV
-    (``use_streaming_gemv``); code that needs a contiguous [out, in] weight calls
+    them on for the parameters you fine-tune). With ``fast_decode`` (default), a float32 model on
+    the CPU stores its linear weights input-major and runs single-token steps with the
+    streaming GEMV (``use_streaming_gemv``); code that needs a contiguous [out, in] weight calls
     ``.contiguous()``.
     """
     dev = resolve_device(device)
@@ -282,7 +288,7 @@ def load(
             "directory, a .gguf file, or a Hugging Face id like 'HuggingFaceTB/SmolLM2-360M'."
         )
     model = model.to(device=dev, dtype=dtype).eval().requires_grad_(False)
-    if fast_decode and dev.type == "cpu":
+    if fast_decode and dev.type == "cpu" and dtype == torch.float32:
         use_streaming_gemv(model)
     return model, tokenizer
 

@@ -62,6 +62,7 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = 1
     eos_token_ids: list[int] = field(default_factory=lambda: [2])
+    rope_scaling: dict[str, Any] | None = None  # transformers' RoPE variant (llama3, linear, ...)
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads != 0:
@@ -92,8 +93,13 @@ class ModelConfig:
         """Read a transformers ``LlamaConfig`` (or a compatible one)."""
         n_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope = dict(
+            getattr(hf_config, "rope_parameters", None)
+            or getattr(hf_config, "rope_scaling", None)
+            or {}
+        )
+        theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
         eos = hf_config.eos_token_id
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -113,6 +119,7 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             bos_token_id=hf_config.bos_token_id,
             eos_token_ids=eos_ids,
+            rope_scaling=rope if scaled else None,
         )
 
 
@@ -260,7 +267,7 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         if t == 1:  # one new token sees every cached key: no mask needed
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-        elif kv_len == t and int(input_pos[0]) == 0:  # a prompt from position 0
+        elif kv_len == t:  # the keys are exactly these tokens (no cache, or a first chunk)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # a chunk appended after earlier tokens
             mask = causal_mask(input_pos, kv_len)
@@ -324,6 +331,18 @@ class Transformer(nn.Module):
         )
         self.rope_scale = 1.0  # transformers' "attention_scaling" for scaled RoPE variants
 
+    def _apply(self, fn, recurse=True):
+        """Move/cast like any module, but keep the RoPE frequencies in float32.
+
+        ``model.to(torch.bfloat16)`` would otherwise round theta_i to 8 bits of mantissa, and
+        the angle p * theta_i drifts by radians at long positions (transformers keeps them in
+        float32 too).
+        """
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
@@ -349,7 +368,13 @@ class Transformer(nn.Module):
                 "use tokens[None] for a single sequence."
             )
         if input_pos is None:
+            if cache is not None:
+                raise ValueError(
+                    "A cache needs the positions of the tokens: pass input_pos, e.g. "
+                    "torch.arange(start, start + tokens.shape[1])."
+                )
             input_pos = torch.arange(tokens.shape[1], device=tokens.device)
+        input_pos = input_pos.long()
         x = self.embed(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
         if self.rope_scale != 1.0:

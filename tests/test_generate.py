@@ -123,3 +123,26 @@ def test_bad_prompts_are_clear_errors(embedded):
         generate(model, tokenizer, [1.5, 2.5])
     with pytest.raises(ValueError, match="temperature"):
         logits_to_probs(torch.zeros(3), temperature=0.0)
+
+
+def test_bad_sampling_arguments():
+    logits = torch.randn(10)
+    with pytest.raises(ValueError, match="top_k must be at least 1"):
+        logits_to_probs(logits, 1.0, top_k=0)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        logits_to_probs(logits, 1.0, top_p=0.0)
+
+
+def test_streamer_flushes_held_back_text_at_the_end():
+    from minisparse.generate import TextStreamer
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "ab" + "\ufffd" * (len(ids) - 1)
+
+    pieces: list[str] = []
+    streamer = TextStreamer(Tok(), pieces.append)
+    streamer.put(1)
+    streamer.put(2)  # ends with U+FFFD: held back, it may be half a character
+    streamer.end()
+    assert "".join(pieces) == "ab\ufffd\n"

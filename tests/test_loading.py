@@ -108,3 +108,9 @@ def test_corrupt_weight_cache_is_rebuilt(tmp_path, monkeypatch, embedded):
 def test_cache_dir_override(monkeypatch, tmp_path):
     monkeypatch.setenv("MINISPARSE_CACHE", str(tmp_path / "c"))
     assert loading.cache_dir() == tmp_path / "c"
+
+
+def test_directory_without_tokenizer(tmp_path):
+    save_tiny_hf(tmp_path, seed=33)
+    with pytest.raises(ModelLoadError, match="no usable tokenizer"):
+        load(str(tmp_path))

@@ -220,3 +220,80 @@ def test_streaming_decode_equals_torch_decode(embedded):
     finally:
         use_streaming_gemv(model, True)
     assert fast == plain and len(fast) == 32
+
+
+def test_offset_positions_without_cache_stay_causal():
+    model = tiny_model(seed=51)
+    a = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(52))
+    b = a.clone()
+    b[0, -1] = (b[0, -1] + 1) % 97  # change only the last token
+    with torch.no_grad():
+        la, lb = model(a, torch.arange(5, 13)), model(b, torch.arange(5, 13))
+    assert torch.equal(la[:, :-1], lb[:, :-1])  # earlier positions cannot see it
+    assert not torch.equal(la[:, -1], lb[:, -1])
+
+
+def test_cache_needs_positions_and_accepts_int32():
+    model = tiny_model(seed=53)
+    cache = make_cache(model.config, 1, 16)
+    tokens = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="pass input_pos"):
+        model(tokens, cache=cache)
+    with torch.no_grad():
+        got = model(tokens, torch.tensor([0, 1, 2], dtype=torch.int32), cache)
+    assert torch.allclose(got, model(tokens), atol=1e-6)
+
+
+def test_low_precision_load_keeps_rope_in_float32_and_skips_streaming():
+    import minisparse
+
+    model, _ = minisparse.load(dtype=torch.bfloat16)
+    assert model.inv_freq.dtype == torch.float32
+    lin = model.layers[0].mlp.up_proj
+    assert lin.weight.dtype == torch.bfloat16 and lin.weight.is_contiguous()
+    assert not lin.streaming
+    assert tiny_model().to(torch.float16).inv_freq.dtype == torch.float32
+
+
+def test_scaled_rope_survives_export(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    cfg = LlamaConfig(
+        vocab_size=90,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_parameters=rope,
+    )
+    torch.manual_seed(54)
+    hf = LlamaForCausalLM(cfg).eval()
+    model = from_hf(hf)
+    assert model.config.rope_scaling["rope_type"] == "llama3"
+    to_hf(model).save_pretrained(tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 90, (1, 120), generator=torch.Generator().manual_seed(55))
+    assert compare_logits(model, reloaded, tokens).max_abs_diff <= 1e-5
+
+
+def test_streaming_path_runs_during_decoding(embedded, monkeypatch):
+    from minisparse.kernels import cpu
+
+    model, tokenizer = embedded
+    calls = []
+    real = cpu.dense_gemv
+    monkeypatch.setattr(cpu, "dense_gemv", lambda W_t, x: calls.append(1) or real(W_t, x))
+    generate(model, tokenizer, "The for statement", max_new_tokens=3)  # prefill: F.linear
+    per_step = 7 * model.config.n_layers + 1
+    # two single-token steps after the prefill, plus the LM head on the prefill's last position
+    assert len(calls) == 2 * per_step + 1
