@@ -1,0 +1,458 @@
+"""Speculative decoding: the reference is target-only decoding.
+
+Greedy runs must give exactly the target's greedy tokens; sampled runs must have exactly the
+target's distribution (an analytic check and chi-square tests with fixed seeds, which also
+reject a deliberately wrong rule); the theory is checked against a Monte-Carlo simulation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from minisparse import speculative as S
+from minisparse.generate import generate, logits_to_probs
+from minisparse.model import make_cache, rope_cos_sin
+
+VOCAB = 97
+
+
+def random_prompts(n: int, seed: int, length: tuple[int, int] = (3, 20)) -> list[list[int]]:
+    """Random token prompts; half of them repeat a chunk so prompt lookup finds matches."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        size = int(torch.randint(length[0], length[1], (), generator=gen))
+        ids = torch.randint(0, VOCAB, (size,), generator=gen).tolist()
+        prompts.append(ids + ids[: size // 2] if i % 2 else ids)
+    return prompts
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P(X^2 >= observed) for observed ``counts`` against expected ``probs`` (cells with p > 0).
+
+    Cells with zero expected mass must be empty; a count there is an outright failure.
+    """
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    if (counts[probs == 0] > 0).any():
+        return 0.0
+    keep = probs > 0
+    expected = counts.sum() * probs[keep]
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+@pytest.fixture(scope="module")
+def target():
+    # Untied embeddings: with tied ones a random model mostly repeats its input token, and any
+    # two random models would agree on that.
+    return tiny_model(seed=0, max_seq_len=256, tie_embeddings=False)
+
+
+def tiny_drafts(target) -> dict[str, S.Draft]:
+    calibration = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    return {
+        "other model": S.ModelDraft(tiny_model(seed=1, max_seq_len=256, tie_embeddings=False)),
+        "early exit": S.early_exit_draft(target, 1),
+        "sparse": S.sparse_draft(target, calibration, 0.5),
+        "int8": S.int8_draft(target),
+        "prompt lookup": S.prompt_lookup_draft(ngram=2),
+    }
+
+
+# ---- greedy: identical tokens ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_equals_target_greedy_for_every_draft(target, gamma):
+    prompts = random_prompts(10, seed=gamma)
+    wants = [generate(target, None, ids, max_new_tokens=24) for ids in prompts]
+    accepted, rejected = {}, {}
+    for name, draft in tiny_drafts(target).items():
+        accepted[name] = rejected[name] = 0
+        for ids, want in zip(prompts, wants, strict=True):
+            got, stats = S.speculative_generate(target, None, ids, draft, gamma, 24)
+            assert got == want, (name, ids)
+            assert stats.new_tokens == len(got) == 24
+            assert stats.accepted <= stats.judged <= stats.proposed <= gamma * stats.target_calls
+            accepted[name] += stats.accepted
+            rejected[name] += stats.judged - stats.accepted
+    # Both paths are exercised: drafts that agree (int8) and drafts that are often rejected.
+    assert accepted["int8"] > 50 and rejected["other model"] > 10 and rejected["early exit"] > 10
+
+
+def test_greedy_stops_at_end_of_sequence_like_generate():
+    probe = tiny_model(seed=3)
+    ids = [5, 6, 7, 5, 6]
+    stop = generate(probe, None, ids, max_new_tokens=12)[6]
+    model = tiny_model(seed=3, eos_token_ids=[stop])
+    want = generate(model, None, ids, max_new_tokens=12)
+    assert want[-1] == stop and len(want) < 12
+    for draft in (S.int8_draft(model), S.prompt_lookup_draft(2)):
+        got, stats = S.speculative_generate(model, None, ids, draft, gamma=4, max_new_tokens=12)
+        assert got == want and stats.new_tokens == len(want)
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 7])
+def test_max_new_tokens_is_respected(target, max_new):
+    ids = [1, 2, 3, 1, 2, 3, 1, 2]
+    want = generate(target, None, ids, max_new_tokens=max_new)
+    got, _ = S.speculative_generate(target, None, ids, S.int8_draft(target), 4, max_new)
+    assert got == want and len(got) == max_new
+
+
+def test_single_token_prompt(target):
+    want = generate(target, None, [7], max_new_tokens=10)
+    got, _ = S.speculative_generate(target, None, [7], S.early_exit_draft(target, 1), 3, 10)
+    assert got == want
+
+
+def test_real_model_greedy_identical(embedded):
+    model, tokenizer = embedded
+    code = "x = 0\nfor item in items:\n    if item.ready:\n        x += 1\nprint(x)"
+    prompts = [
+        [{"role": "user", "content": f"Rename the variable x to count in this code:\n\n{code}"}],
+        [
+            {
+                "role": "user",
+                "content": 'Translate this JSON to YAML:\n{"name": "minisparse", "version": "0.1"}',
+            }
+        ],
+    ]
+    for prompt in prompts:
+        want = generate(model, tokenizer, prompt, max_new_tokens=20)
+        for draft in (S.prompt_lookup_draft(), S.int8_draft(model)):
+            got, stats = S.speculative_generate(model, tokenizer, prompt, draft, 4, 20)
+            assert got == want, (prompt, draft.name)
+            assert stats.accepted > 5, (prompt, draft.name)  # drafts were accepted
+
+
+# ---- the KV cache rolls back by overwriting ----------------------------------------------------
+
+
+def test_cache_overwrite_after_rollback_equals_uncached():
+    model = tiny_model(seed=2)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(0, VOCAB, (1, 14), generator=gen)
+    b = torch.randint(0, VOCAB, (1, 6), generator=gen)
+    cache = make_cache(model.config, 1, 40)
+    with torch.inference_mode():
+        model(a, torch.arange(14), cache)  # 14 positions written
+        got = model(b, torch.arange(9, 15), cache)  # roll back to 9, then write 6 new tokens
+        want = model(torch.cat([a[:, :9], b], 1))[:, 9:]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_draft_reuses_its_cache_after_rejections():
+    draft_model = tiny_model(seed=4)
+    draft = S.ModelDraft(draft_model)
+    draft.reset(64)
+    greedy = S.Sampling()
+    prompt = [3, 1, 4, 1, 5]
+    first, q = draft.propose(prompt, 4, greedy, None)
+    assert q is None and draft.calls == 4
+    # The target kept one draft token and corrected the next one; then all four and a bonus.
+    for ids in ([*prompt, first[0], (first[1] + 1) % VOCAB], [*prompt, *first, 9]):
+        got, _ = draft.propose(ids, 3, greedy, None)
+        fresh = S.ModelDraft(draft_model)
+        fresh.reset(64)
+        assert got == fresh.propose(ids, 3, greedy, None)[0]
+        assert got == generate(draft_model, None, ids, max_new_tokens=3)
+
+
+# ---- sampling: the target's distribution, exactly ----------------------------------------------
+
+
+def random_distributions(gen: torch.Generator, n: int, vocab: int) -> torch.Tensor:
+    """Peaky random distributions with some exact zeros (float64)."""
+    p = torch.softmax(3 * torch.randn(n, vocab, generator=gen, dtype=torch.float64), -1)
+    p[torch.rand(n, vocab, generator=gen) < 0.2] = 0
+    p[:, 0] += 1e-3  # never all zero
+    return p / p.sum(-1, keepdim=True)
+
+
+def test_emitted_distribution_equals_target_analytically():
+    gen = torch.Generator().manual_seed(0)
+    p, q = random_distributions(gen, 50, 11), random_distributions(gen, 50, 11)
+    for pi, qi in zip(p, q, strict=True):
+        torch.testing.assert_close(S.emitted_distribution(pi, qi), pi, rtol=0, atol=1e-12)
+        beta = S.acceptance_probability(pi, qi)
+        torch.testing.assert_close(beta, 1 - 0.5 * (pi - qi).abs().sum(), rtol=0, atol=1e-12)
+        point = S.point_mass(int(torch.argmax(qi)), qi)
+        torch.testing.assert_close(S.emitted_distribution(pi, point), pi, rtol=0, atol=1e-12)
+    # The residual redraws where the target wants more mass than the draft gives.
+    r = S.residual_distribution(p[0], q[0])
+    assert torch.all((r > 0) == (p[0] > q[0])) and r.sum().item() == pytest.approx(1.0)
+
+
+def sample_first_tokens(p: torch.Tensor, q: torch.Tensor | None, n: int, seed: int) -> torch.Tensor:
+    """Counts of the first emitted token over ``n`` verification steps of 2 drafts."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[-1])
+    for _ in range(n):
+        if q is None:
+            drafts = [int(torch.argmax(p[0])), 0]
+        else:
+            drafts = [int(torch.multinomial(qi, 1, generator=gen)) for qi in q]
+        n_ok, token = S.verify_sampled(p, q, drafts, gen)
+        counts[drafts[0] if n_ok > 0 else token] += 1
+    return counts
+
+
+def wrong_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A tempting mistake: redraw from the target itself after a rejection."""
+    return p
+
+
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_verify_sampled_first_token_has_target_law(monkeypatch, deterministic_draft):
+    gen = torch.Generator().manual_seed(1)
+    p = random_distributions(gen, 3, 6).float()
+    # A draft that puts its mass where the target puts little, so a wrong rule shows.
+    q = None if deterministic_draft else p[:2].flip(-1)
+    counts = sample_first_tokens(p, q, 4000, seed=2)
+    assert chi_square_pvalue(counts, p[0]) > 1e-3
+    monkeypatch.setattr(S, "residual_distribution", wrong_residual)
+    counts = sample_first_tokens(p, q, 4000, seed=2)
+    assert chi_square_pvalue(counts, p[0]) < 1e-6  # the test has the power to catch it
+
+
+def exact_two_token_law(model, ids: list[int], temperature: float) -> torch.Tensor:
+    """P(x1, x2 | ids) under the target's sampling distribution, by enumeration."""
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        p1 = logits_to_probs(model(torch.tensor([ids]))[0, -1], temperature)
+        seqs = torch.tensor([[*ids, x] for x in range(vocab)])
+        p2 = logits_to_probs(model(seqs)[:, -1], temperature)
+    return p1[:, None] * p2
+
+
+def speculative_two_token_counts(target, draft, ids, n: int, temperature: float) -> torch.Tensor:
+    vocab = target.config.vocab_size
+    counts = torch.zeros(vocab, vocab)
+    for seed in range(n):
+        out, _ = S.speculative_generate(
+            target, None, ids, draft, gamma=2, max_new_tokens=2, temperature=temperature, seed=seed
+        )
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def test_speculative_sampling_matches_target_end_to_end(monkeypatch):
+    # A 6-token vocabulary so the joint law of two tokens has 36 cells to compare.
+    target = tiny_model(seed=10, vocab_size=6)
+    draft = S.ModelDraft(tiny_model(seed=11, vocab_size=6))
+    with torch.no_grad():  # sharpen the draft so it disagrees with the target
+        draft.model.lm_head.weight.mul_(8)
+    ids, temperature = [1, 2, 3], 0.5
+    law = exact_two_token_law(target, ids, temperature)
+    counts = speculative_two_token_counts(target, draft, ids, 2000, temperature)
+    assert chi_square_pvalue(counts, law) > 1e-3
+    monkeypatch.setattr(S, "residual_distribution", wrong_residual)
+    counts = speculative_two_token_counts(target, draft, ids, 2000, temperature)
+    assert chi_square_pvalue(counts, law) < 1e-6
+
+
+def test_sampling_is_reproducible_with_a_seed(target):
+    draft = S.ModelDraft(tiny_model(seed=1, max_seq_len=256))
+    runs = [
+        S.speculative_generate(target, None, [4, 5, 6], draft, 3, 20, temperature=0.8, seed=7)[0]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+
+
+# ---- theory vs simulation ----------------------------------------------------------------------
+
+
+def simulated_tokens_per_call(alpha: float, gamma: int, n: int, seed: int) -> torch.Tensor:
+    """Tokens per target pass when each draft is accepted independently with probability α."""
+    gen = torch.Generator().manual_seed(seed)
+    accept = torch.rand(n, gamma, generator=gen, dtype=torch.float64) < alpha
+    prefix = accept.long().cumprod(1).sum(1)  # accepted drafts before the first rejection
+    return (prefix + 1).double()
+
+
+@pytest.mark.parametrize(("alpha", "gamma"), [(0.3, 1), (0.6, 4), (0.85, 7), (0.95, 3)])
+def test_expected_tokens_per_call_matches_simulation(alpha, gamma):
+    sim = simulated_tokens_per_call(alpha, gamma, 200_000, seed=gamma)
+    stderr = sim.std().item() / math.sqrt(sim.numel())
+    assert S.expected_tokens_per_call(alpha, gamma) == pytest.approx(
+        sim.mean().item(), abs=4 * stderr
+    )
+
+
+def test_theory_edge_cases_and_speedup():
+    assert S.expected_tokens_per_call(1.0, 4) == 5.0
+    assert S.expected_tokens_per_call(0.0, 4) == 1.0
+    # Leviathan et al.'s formula when verifying costs one step.
+    a, g, c = 0.8, 5, 0.1
+    want = (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
+    assert S.expected_speedup(a, g, c) == pytest.approx(want)
+    assert S.expected_speedup(a, g, c, verify_cost=2.0) == pytest.approx((1 - a**6) / (1 - a) / 2.5)
+
+
+@pytest.mark.parametrize(("alpha", "cost"), [(0.6, 0.05), (0.8, 0.2), (0.9, 0.02)])
+def test_best_gamma_is_the_argmax_of_simulated_speedup(alpha, cost):
+    def verify(g: int) -> float:
+        return 1 + 0.1 * g
+
+    simulated = {
+        g: simulated_tokens_per_call(alpha, g, 100_000, seed=g).mean().item()
+        / (g * cost + verify(g))
+        for g in range(1, 13)
+    }
+    best = S.best_gamma(alpha, cost, verify, max_gamma=12)
+    # The simulated optimum may tie with a neighbour within noise; the pick must be as good.
+    assert simulated[best] >= max(simulated.values()) * 0.99
+    assert S.best_gamma(alpha, 0.0, max_gamma=12) == 12  # free drafts: propose as many as allowed
+
+
+def test_stats_follow_theory_with_a_bernoulli_draft(target):
+    """A draft that proposes the target's greedy token with probability α, else a wrong one."""
+    ids = [2, 7, 1, 8]
+    reference = generate(target, None, ids, max_new_tokens=200)
+
+    class BernoulliDraft(S.Draft):
+        def __init__(self, alpha: float) -> None:
+            super().__init__()
+            self.alpha, self.gen = alpha, torch.Generator().manual_seed(0)
+
+        def propose(self, context, gamma, sampling, generator):
+            done = len(context) - len(ids)
+            out = []
+            for j in range(done, done + gamma):
+                ok = torch.rand((), generator=self.gen) < self.alpha
+                out.append(reference[j] if ok else (reference[j] + 1) % VOCAB)
+            return out, None
+
+    alpha, gamma = 0.7, 4
+    got, stats = S.speculative_generate(target, None, ids, BernoulliDraft(alpha), gamma, 200)
+    assert got == reference
+    full_passes = stats.target_calls - 1  # the last pass may be cut short by max_new_tokens
+    sim = simulated_tokens_per_call(alpha, gamma, 100_000, seed=0)
+    stderr = sim.std().item() / math.sqrt(full_passes)
+    assert stats.tokens_per_call == pytest.approx(
+        S.expected_tokens_per_call(alpha, gamma), abs=4 * stderr
+    )
+    assert stats.alpha == pytest.approx(alpha, abs=0.08)
+
+
+# ---- drafts ------------------------------------------------------------------------------------
+
+
+def reference_lookup(ids: list[int], ngram: int, min_ngram: int, gamma: int) -> list[int]:
+    for n in range(ngram, min_ngram - 1, -1):
+        if n >= len(ids):
+            continue
+        suffix = tuple(ids[-n:])
+        starts = [s for s in range(len(ids) - n) if tuple(ids[s : s + n]) == suffix]
+        if starts:
+            return ids[max(starts) + n : max(starts) + n + gamma]
+    return []
+
+
+def test_prompt_lookup_matches_reference_on_random_sequences():
+    gen = torch.Generator().manual_seed(3)
+    found = 0
+    for _ in range(300):
+        ids = torch.randint(0, 4, (int(torch.randint(1, 30, (), generator=gen)),), generator=gen)
+        ids = ids.tolist()
+        for ngram, min_ngram in ((3, 1), (2, 2), (4, 3)):
+            draft = S.prompt_lookup_draft(ngram, min_ngram)
+            got = draft.lookup(ids, 5)
+            assert got == reference_lookup(ids, ngram, min_ngram, 5)
+            found += bool(got)
+    assert found > 300
+
+
+def test_early_exit_draft_shares_weights_and_equals_truncated_model():
+    model = tiny_model(seed=6, n_layers=3)
+    draft = S.early_exit_draft(model, 2).model
+    assert draft.embed.weight is model.embed.weight and draft.layers[1] is model.layers[1]
+    tokens = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # the reference: the first two blocks by hand
+        x = model.embed(tokens)
+        cos, sin = rope_cos_sin(model.inv_freq, torch.arange(9), x.dtype)
+        for layer in model.layers[:2]:
+            x = layer(x, cos, sin, torch.arange(9), None)
+        want = model.lm_head(model.norm(x))
+        torch.testing.assert_close(draft(tokens), want, rtol=0, atol=0)
+
+
+def test_int8_linear_against_dequantized_reference():
+    gen = torch.Generator().manual_seed(0)
+    for out_f, in_f, fast in ((37, 53, False), (77, 64, True)):
+        lin = torch.nn.Linear(in_f, out_f, bias=True)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(out_f, in_f, generator=gen))
+            lin.bias.copy_(torch.randn(out_f, generator=gen))
+        q = S.Int8Linear(lin)
+        assert q.fast == fast  # the int8 kernel takes input sizes that are multiples of 16
+        w = lin.weight.detach()
+        assert ((q.dequantized() - w).abs() <= q.scale[:, None] / 2 + 1e-6).all()
+        x = torch.randn(3, in_f, generator=gen)
+        want = torch.nn.functional.linear(x, q.dequantized(), lin.bias)
+        scale = x.abs().max() * w.abs().max() * in_f
+        assert (q(x) - want).abs().max() <= 2 * 2**-8 * scale  # bfloat16 activations
+
+
+def test_sampling_drafts_return_their_distributions():
+    draft = S.ModelDraft(tiny_model(seed=4))
+    draft.reset(32)
+    tokens, q = draft.propose([1, 2, 3], 3, S.Sampling(0.7), torch.Generator().manual_seed(0))
+    assert q is not None and q.shape == (3, VOCAB)
+    assert all(q[i, t] > 0 for i, t in enumerate(tokens))
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+
+
+# ---- clear errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [0, -2, 1.5])
+def test_bad_gamma(target, gamma):
+    with pytest.raises(ValueError, match="gamma"):
+        S.speculative_generate(target, None, [1, 2], S.prompt_lookup_draft(), gamma, 4)
+
+
+def test_mismatched_vocabulary_and_tokenizer(target):
+    other = tiny_model(seed=1, vocab_size=50)
+    with pytest.raises(ValueError, match="same model family"):
+        S.speculative_generate(target, None, [1, 2], other, 2, 4)
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    draft = S.ModelDraft(tiny_model(seed=1), tokenizer=Tok({"a": 0}))
+    with pytest.raises(ValueError, match="shares the target's tokenizer"):
+        S.speculative_generate(target, Tok({"b": 0}), [1, 2], draft, 2, 4)
+
+
+def test_other_bad_inputs(target):
+    lookup = S.prompt_lookup_draft()
+    with pytest.raises(ValueError, match="prompt is empty"):
+        S.speculative_generate(target, None, [], lookup, 2, 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        S.speculative_generate(target, None, [1], lookup, 2, 0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        S.speculative_generate(target, None, [1], lookup, 2, 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        S.speculative_generate(target, None, [1] * 250, lookup, 2, 10)
+    with pytest.raises(TypeError, match="must be a minisparse Transformer or a Draft"):
+        S.speculative_generate(target, None, [1], "draft", 2, 4)
+    with pytest.raises(ValueError, match="n_layers must be between 1"):
+        S.early_exit_draft(target, 0)
+    with pytest.raises(ValueError, match="min_ngram <= ngram"):
+        S.prompt_lookup_draft(ngram=2, min_ngram=3)
+    with pytest.raises(ValueError, match="alpha is a probability"):
+        S.expected_tokens_per_call(1.2, 3)
+    with pytest.raises(ValueError, match="cost_ratio"):
+        S.expected_speedup(0.5, 3, -0.1)
