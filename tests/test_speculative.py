@@ -456,3 +456,36 @@ def test_other_bad_inputs(target):
         S.expected_tokens_per_call(1.2, 3)
     with pytest.raises(ValueError, match="cost_ratio"):
         S.expected_speedup(0.5, 3, -0.1)
+
+
+# ---- the benchmark -----------------------------------------------------------------------------
+
+
+def test_bench_rows_on_tiny_models(target):
+    from minisparse import speculative_bench as B
+
+    drafts = {"int8": S.int8_draft(target), "lookup": S.prompt_lookup_draft(2)}
+    costs = B.step_costs(target, drafts, (1, 3), context=8, repeats=2, warmup=1)
+    assert set(costs) == {"target step ms", "verify 1", "verify 3", "int8"}
+    assert all(v > 0 for v in costs.values())
+    prompts = random_prompts(3, seed=9)
+    rows = B.bench_speculative(
+        target, None, prompts, drafts, 3, 12, repeats=1, warmup=0, costs=costs, progress=False
+    )
+    assert [r.draft for r in rows] == ["int8", "lookup"]
+    for r in rows:
+        assert r.same_tokens and r.new_tokens == 36
+        assert r.speedup == pytest.approx(r.plain_s / r.speculative_s)
+        c = costs.get(r.draft, 0.0)
+        assert r.predicted == pytest.approx(S.expected_speedup(r.alpha, 3, c, costs["verify 3"]))
+    assert "same tokens" in B.format_rows(rows)
+
+
+def test_bench_rejects_unknown_names(target):
+    from minisparse import speculative_bench as B
+
+    assert len(B.chat_prompts("all")) == len(B.PROMPTS["grounded"]) + len(B.PROMPTS["open"])
+    with pytest.raises(ValueError, match="Unknown prompt set"):
+        B.chat_prompts("poems")
+    with pytest.raises(ValueError, match="Unknown drafts"):
+        B.make_drafts(target, None, ("medusa",))
