@@ -436,6 +436,24 @@ def check_compatible(target: Transformer, tokenizer: Any, draft: Draft) -> None:
             )
 
 
+@torch.inference_mode()
+def teacher_forced_alpha(
+    target: Transformer, draft_model: Transformer, tokens: Tensor, sampling: Sampling | None = None
+) -> float:
+    """Predicted acceptance α of a model draft on ``tokens`` [batch, seq], from one pass each.
+
+    Greedy (default): the share of positions where the draft's argmax equals the target's.
+    Sampling: the mean of β = Σ min(p, q) over positions. Both see the same text rather than
+    the draft's own proposals, which is what verification sees after every accepted token.
+    """
+    sampling = sampling or Sampling()
+    p_logits, q_logits = target(tokens), draft_model(tokens)
+    if sampling.greedy:
+        return float((p_logits.argmax(-1) == q_logits.argmax(-1)).float().mean())
+    beta = acceptance_probability(sampling.probs(p_logits), sampling.probs(q_logits))
+    return float(beta.mean())
+
+
 # --------------------------------------------------------------------------------------------
 # The decoding loop
 # --------------------------------------------------------------------------------------------
@@ -643,6 +661,7 @@ __all__ = [
     "residual_distribution",
     "sparse_draft",
     "speculative_generate",
+    "teacher_forced_alpha",
     "verify_greedy",
     "verify_sampled",
 ]

@@ -489,3 +489,24 @@ def test_bench_rejects_unknown_names(target):
         B.chat_prompts("poems")
     with pytest.raises(ValueError, match="Unknown drafts"):
         B.make_drafts(target, None, ("medusa",))
+
+
+def test_teacher_forced_alpha_against_a_loop():
+    target, other = tiny_model(seed=0, tie_embeddings=False), tiny_model(seed=1)
+    tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        p_logits, q_logits = target(tokens), other(tokens)
+    same, beta = [], []
+    for b in range(2):
+        for t in range(10):
+            same.append(float(p_logits[b, t].argmax() == q_logits[b, t].argmax()))
+            p = logits_to_probs(p_logits[b, t], 0.7)
+            q = logits_to_probs(q_logits[b, t], 0.7)
+            beta.append(
+                float(sum(min(pi, qi) for pi, qi in zip(p.tolist(), q.tolist(), strict=True)))
+            )
+    assert S.teacher_forced_alpha(target, other, tokens) == pytest.approx(sum(same) / 20)
+    sampled = S.teacher_forced_alpha(target, other, tokens, S.Sampling(0.7))
+    assert sampled == pytest.approx(sum(beta) / 20, rel=1e-5)
+    assert 0 < sampled < 1
+    assert S.teacher_forced_alpha(target, target, tokens) == 1.0
