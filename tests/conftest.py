@@ -6,10 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 import minisparse
 from minisparse.loading import load_hf_reference
 from minisparse.model import ModelConfig, Transformer, init_weights
+
+# Property tests draw the same examples on every run: a failure is reproducible, never luck.
+settings.register_profile("deterministic", derandomize=True, print_blob=True)
+settings.load_profile("deterministic")
 
 
 @pytest.fixture(scope="session")

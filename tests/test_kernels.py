@@ -196,11 +196,14 @@ def test_gather_gemv_shapes_property(n_rows, k, batch, density, seed):
     W, x = randn(n_rows, k, gen=gen), randn(batch, k, gen=gen)
     idx = torch.randperm(n_rows, generator=gen)[: round(density * n_rows)]
     ref = gather_gemv_ref(W.double(), x.double(), idx)
+    # the forward-error scale of a dot product: sum_k |W_ik x_k| (cancellation can make the
+    # result itself far smaller than the terms, so |ref| alone is no fair yardstick)
+    scale = gather_gemv_ref(W.double().abs(), x.double().abs(), idx)
     for fn in (kernels.gather_gemv, cpu.gather_gemv):
         out = fn(W, x, idx)
         assert out.shape == (batch, idx.numel())
         if idx.numel():
-            assert rel_err(out, ref) <= RTOL
+            assert (out.double() - ref).abs().max().item() <= RTOL * scale.max().item()
 
 
 @settings(max_examples=8, deadline=None)
