@@ -296,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_rows(rows))
         results[kind] = [asdict(r) for r in rows]
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"costs": costs, "rows": results}, indent=1))
         print(f"\nwrote {args.json}")
     return 0
