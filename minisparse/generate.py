@@ -92,6 +92,33 @@ def next_token(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def check_length(model: Transformer, prompt_len: int, max_new_tokens: int) -> int:
+    """prompt + new tokens, after checking that they fit the model's context."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    total = prompt_len + max_new_tokens
+    if total > model.config.max_seq_len:
+        raise ValueError(
+            f"Prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {model.config.max_seq_len} tokens; shorten the prompt or ask "
+            "for fewer tokens."
+        )
+    return total
+
+
+def make_generator(
+    device: torch.device, seed: int | None, sampling: bool
+) -> torch.Generator | None:
+    """A seeded generator, a randomly seeded one when sampling without a seed, else None."""
+    if seed is not None:
+        return torch.Generator(device=device).manual_seed(seed)
+    if sampling:
+        generator = torch.Generator(device=device)
+        generator.seed()
+        return generator
+    return None
+
+
 def stop_ids(model: Transformer, tokenizer: Any) -> set[int]:
     """Token ids that end generation: the config's EOS ids plus the tokenizer's."""
     ids = set(model.config.eos_token_ids)
@@ -146,22 +173,9 @@ def generate(
     (``minisparse.kvcache``).
     """
     ids = encode_prompt(tokenizer, prompt)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
-    total = len(ids) + max_new_tokens
-    if total > model.config.max_seq_len:
-        raise ValueError(
-            f"Prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"context of {model.config.max_seq_len} tokens; shorten the prompt or ask for fewer "
-            "tokens."
-        )
+    total = check_length(model, len(ids), max_new_tokens)
     device = model.device
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    elif temperature > 0:
-        generator = torch.Generator(device=device)
-        generator.seed()
+    generator = make_generator(device, seed, sampling=temperature > 0)
     streamer = None
     if stream:
         streamer = TextStreamer(tokenizer, stream if callable(stream) else None)

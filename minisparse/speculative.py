@@ -55,7 +55,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .generate import Prompt, encode_prompt, logits_to_probs, stop_ids
+from .generate import (
+    Prompt,
+    check_length,
+    encode_prompt,
+    logits_to_probs,
+    make_generator,
+    stop_ids,
+)
 from .model import Block, Transformer, make_cache
 from .sparse_mlp import calibrate_thresholds, sparse_mlps
 
@@ -528,22 +535,9 @@ def speculative_generate(
     check_compatible(target, tokenizer, draft)
     sampling = Sampling(temperature, top_k, top_p)
     ids = encode_prompt(tokenizer, prompt)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
-    total = len(ids) + max_new_tokens
-    if total > target.config.max_seq_len:
-        raise ValueError(
-            f"Prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"context of {target.config.max_seq_len} tokens; shorten the prompt or ask for fewer "
-            "tokens."
-        )
+    total = check_length(target, len(ids), max_new_tokens)
     device = target.device
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    elif not sampling.greedy:
-        generator = torch.Generator(device=device)
-        generator.seed()
+    generator = make_generator(device, seed, sampling=not sampling.greedy)
     stops = stop_ids(target, tokenizer)
     stats = SpeculativeStats()
     cache = make_cache(target.config, 1, total, target.dtype, device)
