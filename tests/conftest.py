@@ -49,8 +49,8 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def tiny_model(seed: int = 0, **overrides) -> Transformer:
-    return init_weights(Transformer(tiny_config(**overrides)), seed=seed).eval()
+def tiny_model(seed: int = 0, std: float = 0.02, **overrides) -> Transformer:
+    return init_weights(Transformer(tiny_config(**overrides)), seed=seed, std=std).eval()
 
 
 def save_tiny_hf(directory: Path, seed: int = 0, **config) -> Path:

@@ -5,23 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_model
 from minisparse import sparse_mlp as S
-from minisparse.model import MLP, ModelConfig, Transformer, init_weights
+from minisparse.model import MLP, ModelConfig, Transformer
 
 
 def tiny(act: str = "silu", seed: int = 0) -> Transformer:
-    config = ModelConfig(
+    """Three layers with larger weights, so that activations spread across thresholds."""
+    return tiny_model(
+        seed=seed,
+        std=0.2,
+        hidden_act=act,
         vocab_size=89,
         dim=40,
         n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
         head_dim=10,
         ffn_dim=70,
         max_seq_len=64,
-        hidden_act=act,
     )
-    return init_weights(Transformer(config), seed=seed, std=0.2).eval()
 
 
 def tokens(seed: int, shape=(2, 9)) -> torch.Tensor:
