@@ -110,6 +110,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 #: ``minisparse.<module>.add_arguments(parser)`` declared its options.
 CHAPTER_BENCHMARKS = {
     "sparse-ffn": ("kernel_bench", "sparse FFN kernels vs dense and the ideal (chapter 07)"),
+    "quant": ("quant_bench", "fp32 vs bf16 / int8 / int4 weight-only decode speed (chapter 09)"),
     "speculative": ("speculative_bench", "plain vs speculative decoding per draft (chapter 10)"),
 }
 
