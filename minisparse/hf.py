@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .model import ModelConfig, Transformer, rope_inv_freq
+from .model import ACTIVATIONS, ModelConfig, Transformer, rope_inv_freq
 
 TOP_NAMES = {
     "embed.weight": "model.embed_tokens.weight",
@@ -97,9 +97,31 @@ def hf_config(config: ModelConfig) -> Any:
     )
 
 
+def check_exportable(model: Transformer) -> None:
+    """Raise if the model has activations transformers' Llama cannot express."""
+    expected = ACTIVATIONS[model.config.hidden_act]
+    for i, layer in enumerate(model.layers):
+        slots = {
+            "attn_in_act": layer.attn_in_act,
+            "mlp_in_act": layer.mlp_in_act,
+            "mlp.down_in_act": layer.mlp.down_in_act,
+        }
+        extra = [f"{name}={m}" for name, m in slots.items() if not isinstance(m, nn.Identity)]
+        if type(layer.mlp.act) is not expected:
+            extra.append(f"mlp.act={layer.mlp.act} (config says {model.config.hidden_act})")
+        if extra:
+            raise ValueError(
+                f"Layer {i} has {', '.join(extra)}, which transformers' Llama cannot express; "
+                "export the model before adding thresholds or a stage-2 ReLU "
+                "(minisparse.sparsity.remove_thresholds takes thresholds out)."
+            )
+
+
 def to_hf(model: Transformer) -> nn.Module:
     """A transformers ``LlamaForCausalLM`` holding a copy of ``model``'s weights."""
     from transformers import LlamaForCausalLM
+
+    check_exportable(model)
 
     with torch.device("meta"):
         hf = LlamaForCausalLM(hf_config(model.config))

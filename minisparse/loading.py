@@ -165,10 +165,18 @@ def save_atomic(model: Transformer, path: Path, meta: dict[str, str]) -> None:
         "format": str(CACHE_FORMAT),
         **meta,
     }
+    save_tensors_atomic(state, path, metadata)
+
+
+def save_tensors_atomic(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
+) -> None:
+    """safetensors file written to a temporary name, then renamed: never half a file at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
-        save_file(state, tmp, metadata=metadata)
+        save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -104,6 +104,11 @@ class SparseMLP(nn.Module):
             raise ValueError(
                 "SparseMLP supports bias-free MLPs (the Llama family); this MLP has biases."
             )
+        if not isinstance(mlp.down_in_act, nn.Identity):
+            raise ValueError(
+                "SparseMLP masks act(gate x) itself and cannot keep a module at the down "
+                "projection's input; take it out first (minisparse.sparsity.remove_thresholds)."
+            )
         weight = mlp.gate_proj.weight
         self.ops = kernel_ops(backend, weight.device)
         place = self.ops.hugepage_copy if hasattr(self.ops, "hugepage_copy") else torch.clone
@@ -255,7 +260,7 @@ class MaskedMLP(nn.Module):
         else:
             keep = torch.zeros_like(h, dtype=torch.bool)
             keep[:, self.select(flat).long()] = True
-        y = self.mlp.down_proj(torch.where(keep, h, torch.zeros_like(h)))
+        y = self.mlp.down_proj(self.mlp.down_in_act(torch.where(keep, h, torch.zeros_like(h))))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -311,19 +316,12 @@ def gate_activations(model: Transformer, tokens: Tensor) -> list[Tensor]:
 def calibrate_thresholds(model: Transformer, tokens: Tensor, sparsity: float) -> list[float]:
     """Per-layer thresholds t_l with P(|act(gate x)| <= t_l) = sparsity on ``tokens``.
 
-    The magnitude quantile of each layer's gate activations (TEAL/CATS style): with these
-    thresholds a fraction ``sparsity`` of neurons is skipped on average.
+    CATS thresholds on the gate activation (chapter 03's ``calibrate_thresholds`` at the
+    ``mlp_act`` site): with them a fraction ``sparsity`` of neurons is skipped on average.
     """
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}.")
-    limits = []
-    for acts in gate_activations(model, tokens):
-        flat = acts.flatten().float()
-        if flat.numel() > 2**24:  # quantile has a size limit; a seeded subsample is enough
-            gen = torch.Generator().manual_seed(0)
-            flat = flat[torch.randint(flat.numel(), (2**24,), generator=gen)]
-        limits.append(float(torch.quantile(flat, sparsity)))
-    return limits
+    from .sparsity import calibrate_thresholds as calibrate
+
+    return calibrate(model, tokens, sparsity, sites=("mlp_act",), progress=False)["mlp_act"]
 
 
 def mean_density(mlps: Sequence[nn.Module]) -> float:
