@@ -21,6 +21,11 @@ windows):
 Every submodule is a plain attribute: ``model.layers[i].attn.{q,k,v,o}_proj``,
 ``model.layers[i].mlp.{gate,up,down}_proj``, ``model.layers[i].mlp.act``,
 ``model.layers[i].{attn_norm,mlp_norm}``, ``model.embed``, ``model.norm``, ``model.lm_head``.
+Three more activation slots are identities in the model as trained and exist so that later
+chapters can act on the inputs the projections see: ``layers[i].attn_in_act`` (after the attention
+norm, before q/k/v), ``layers[i].mlp_in_act`` (after the MLP norm, before gate/up) and
+``layers[i].mlp.down_in_act`` (before the down projection). Chapter 03 puts magnitude thresholds
+there, chapter 04 a ReLU.
 """
 
 from __future__ import annotations
@@ -285,9 +290,10 @@ class MLP(nn.Module):
         self.up_proj = Linear(c.dim, c.ffn_dim, bias=c.mlp_bias)
         self.down_proj = Linear(c.ffn_dim, c.dim, bias=c.mlp_bias)
         self.act = ACTIVATIONS[c.hidden_act]()
+        self.down_in_act: nn.Module = nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.down_in_act(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Block(nn.Module):
@@ -299,12 +305,14 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
+        self.attn_in_act: nn.Module = nn.Identity()
+        self.mlp_in_act: nn.Module = nn.Identity()
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, cache: KVCache | None
     ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, input_pos, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn(self.attn_in_act(self.attn_norm(x)), cos, sin, input_pos, cache)
+        return x + self.mlp(self.mlp_in_act(self.mlp_norm(x)))
 
 
 class Transformer(nn.Module):
