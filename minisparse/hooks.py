@@ -1,8 +1,10 @@
-"""Capturing intermediate activations with forward hooks.
+"""Capturing intermediate activations (and layer inputs) with forward hooks.
 
 A forward hook runs after a module's ``forward`` and sees its output; registering one on every
 ``mlp.act`` module records the MLP activations a(x) = act(W_gate x) of every layer without
-changing the model. Hooks are removed when the ``with`` block ends, even after an error.
+changing the model. A forward *pre*-hook runs before ``forward`` and sees the inputs
+(``capture_inputs``): the calibration data of a linear layer. Hooks are removed when the
+``with`` block ends, even after an error.
 """
 
 from __future__ import annotations
@@ -23,18 +25,46 @@ def capture_outputs(
 
     ``reduce`` maps an output to what is kept (e.g. a subsample) to bound memory.
     """
+    with _capture(modules, reduce, inputs=False) as store:
+        yield store
+
+
+@contextmanager
+def capture_inputs(
+    modules: dict[str, nn.Module],
+    reduce: Callable[[Tensor], Tensor] | None = None,
+) -> Iterator[dict[str, list[Tensor]]]:
+    """Collect each named module's first positional input (detached, on its device).
+
+    A forward pre-hook sees what a layer receives: the calibration data of a linear layer whose
+    input is not the output of any module (o_proj, down_proj).
+    """
+    with _capture(modules, reduce, inputs=True) as store:
+        yield store
+
+
+@contextmanager
+def _capture(
+    modules: dict[str, nn.Module],
+    reduce: Callable[[Tensor], Tensor] | None,
+    inputs: bool,
+) -> Iterator[dict[str, list[Tensor]]]:
     store: dict[str, list[Tensor]] = {name: [] for name in modules}
     handles = []
 
-    def make_hook(name: str) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: tuple, output: Tensor) -> None:
-            out = output.detach()
-            store[name].append((reduce(out) if reduce else out).cpu())
+    def keep(name: str, x: Tensor) -> None:
+        x = x.detach()
+        x = reduce(x) if reduce else x
+        store[name].append(x if inputs else x.cpu())
 
-        return hook
+    def make_hook(name: str) -> Callable[..., None]:
+        if inputs:
+            return lambda _module, args: keep(name, args[0])
+        return lambda _module, _args, output: keep(name, output)
 
     for name, module in modules.items():
-        handles.append(module.register_forward_hook(make_hook(name)))
+        register = module.register_forward_pre_hook if inputs else module.register_forward_hook
+        handles.append(register(make_hook(name)))
     try:
         yield store
     finally:
