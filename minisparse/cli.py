@@ -106,6 +106,53 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def cmd_relufy(args: argparse.Namespace) -> int:
+    import json
+    import shlex
+
+    from .finetune import FinetuneConfig
+    from .loading import load
+    from .relufy import relufy_and_finetune, result_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = FinetuneConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup=args.warmup,
+        trainable=args.trainable,
+        kd_weight=args.kd_weight,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+    )
+    model, tokenizer = load(args.model, device=args.device)
+    report = relufy_and_finetune(
+        model,
+        tokenizer,
+        args.stage,
+        config,
+        seq_len=args.seq_len,
+        eval_tokens=args.eval_tokens,
+        resume=not args.fresh,
+    )
+    report["command"] = "minisparse " + shlex.join(args.argv)
+    for name in ("dense", "swapped", "finetuned"):
+        r = report[name]
+        print(
+            f"{name:10s} perplexity {r['ppl']:9.2f} | zeros: MLP activation "
+            f"{r['zeros_mlp_act']:.1%}, down input {r['zeros_down_in']:.1%}, "
+            f"attention input {r['zeros_attn_in']:.1%}, MLP input {r['zeros_mlp_in']:.1%}"
+        )
+    print(f"saved in {result_dir(args.stage, args.trainable)}; {report['seconds']:.0f} s")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"report: {out}")
+    return 0
+
+
 #: Chapter benchmarks: ``minisparse bench NAME`` calls ``minisparse.<module>.run(args)`` after
 #: ``minisparse.<module>.add_arguments(parser)`` declared its options.
 CHAPTER_BENCHMARKS = {
@@ -140,6 +187,24 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--out", default="minisparse-tour.png", help="where to save the figure")
     p.set_defaults(func=cmd_tour)
 
+    p = sub.add_parser("relufy", help="ReLUfy the model and fine-tune it by distillation")
+    add_model_arguments(p)
+    p.add_argument("--stage", type=int, default=1, choices=(1, 2))
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--trainable", default="mlp", choices=("mlp", "all", "lora"))
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--kd-weight", type=float, default=0.9, help="weight of the KL term")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-tokens", type=int, default=8 * 256)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--fresh", action="store_true", help="ignore a checkpoint; start over")
+    p.add_argument("--out", default=None, help="write the report as JSON here")
+    p.set_defaults(func=cmd_relufy)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("decode", help="greedy decode tokens/s: minisparse vs transformers")
     add_model_arguments(p)
@@ -162,6 +227,7 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     args = build_parser(with_chapter_benchmarks="bench" in words).parse_args(argv)
+    args.argv = words
     from .loading import ModelLoadError
 
     try:

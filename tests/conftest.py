@@ -13,7 +13,7 @@ from minisparse.loading import load_hf_reference
 from minisparse.model import ModelConfig, Transformer, init_weights
 
 # Property tests draw the same examples on every run: a failure is reproducible, never luck.
-settings.register_profile("deterministic", derandomize=True, print_blob=True)
+settings.register_profile("deterministic", derandomize=True, print_blob=True, deadline=None)
 settings.load_profile("deterministic")
 
 

@@ -1,0 +1,174 @@
+"""ReLUfication: turning a SiLU model into a sparse ReLU model (Mirzadeh et al. 2023).
+
+A SiLU MLP activation a = x sigmoid(x) is almost never exactly zero, so no weight can be skipped
+for free. ReLU(x) = max(x, 0) is exactly zero for every negative pre-activation, about half of
+them in a trained model, and more after training adapts to it. ReLUfication swaps the
+activations and fine-tunes briefly to recover the quality:
+
+* **stage 1** replaces the MLP activation by ReLU. a = ReLU(W_gate x) is sparse, so the rows of
+  W_up and the columns of W_down of the zero neurons need not be read:
+      y = W_down (ReLU(W_gate x) * W_up x) = sum_{j : W_gate[j] x > 0} ...
+* **stage 2** also puts a ReLU after the RMSNorms that feed the attention and the MLP, so the
+  inputs of q/k/v and of gate/up become sparse too and their columns can be skipped.
+
+``relufy`` returns a new model (the input is untouched; weights are copied unchanged, only the
+activation modules differ). ``minisparse.finetune`` recovers quality by distillation from the
+dense model; ``finetune_relufied`` runs it and keeps the result in the cache, and
+``load_relufied`` reads it back (what ``minisparse relufy --stage 1 --steps N`` produces).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from .data import corpus, encode
+from .eval import mean_nll, windows
+from .finetune import FinetuneConfig, finetune
+from .loading import cache_dir, save_tensors_atomic
+from .model import Transformer
+from .sparsity import SITES, recording
+
+STAGES = (1, 2)
+
+
+def relufy(model: Transformer, stage: int = 1) -> Transformer:
+    """A copy of ``model`` with ReLU activations: stage 1 in the MLPs, stage 2 also after norms."""
+    if stage not in STAGES:
+        raise ValueError(
+            f"stage must be 1 (MLP activation) or 2 (also after the norms), got {stage}."
+        )
+    new = copy.deepcopy(model)
+    new.config = dataclasses.replace(model.config, hidden_act="relu")
+    for layer in new.layers:
+        layer.mlp.act = nn.ReLU()
+        if stage == 2:
+            layer.attn_in_act = nn.ReLU()
+            layer.mlp_in_act = nn.ReLU()
+    return new
+
+
+def relufied_stage(model: Transformer) -> int:
+    """0 for a model with its own activations, 1 or 2 for a ReLUfied one."""
+    layer = model.layers[0]
+    if isinstance(layer.attn_in_act, nn.ReLU) and isinstance(layer.mlp_in_act, nn.ReLU):
+        return 2
+    return 1 if isinstance(layer.mlp.act, nn.ReLU) else 0
+
+
+def result_dir(stage: int, trainable: str, root: Path | None = None) -> Path:
+    """Where a fine-tuned ReLU model of this stage and trainable set lives in the cache."""
+    return (root or cache_dir()) / "relufied" / f"stage{stage}-{trainable}"
+
+
+def save_relufied(model: Transformer, path: Path, stage: int, info: dict[str, Any]) -> None:
+    """Keep the weights that differ from the base model's (``info['trained']`` names them)."""
+    names = info["trained"]
+    state = model.state_dict()
+    tensors = {name: state[name].detach().contiguous() for name in names}
+    save_tensors_atomic(tensors, path, {"stage": str(stage), "info": json.dumps(info)})
+
+
+def load_relufied(
+    base: Transformer, stage: int = 1, trainable: str = "mlp", root: Path | None = None
+) -> tuple[Transformer, dict[str, Any]]:
+    """The fine-tuned ReLU model saved by ``finetune_relufied`` (base weights from ``base``)."""
+    path = result_dir(stage, trainable, root) / "model.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"No fine-tuned stage-{stage} model ({trainable}) in {path.parent}; make one with "
+            f"`minisparse relufy --stage {stage} --trainable {trainable} --steps 300`."
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        info = json.loads(f.metadata()["info"])
+    model = relufy(base, stage)
+    missing = model.load_state_dict(load_file(str(path)), strict=False).unexpected_keys
+    if missing:
+        raise ValueError(f"{path} holds weights this model does not have: {missing[:3]}...")
+    return model, info
+
+
+def measure(model: Transformer, eval_ids: torch.Tensor, seq_len: int = 256) -> dict[str, float]:
+    """Held-out perplexity and the share of exact zeros at each site, in one pass."""
+    with recording(model, SITES[:4]) as stats:
+        nll = mean_nll(model, eval_ids, seq_len=seq_len, progress=False)
+    zeros = {f"zeros_{site}": stats.mean(stats.zero_fraction(site)) for site in SITES[:4]}
+    return {"ppl": math.exp(nll), **zeros}
+
+
+def relufy_and_finetune(
+    base: Transformer,
+    tokenizer: Any,
+    stage: int,
+    config: FinetuneConfig,
+    seq_len: int = 128,
+    eval_tokens: int = 8 * 256,
+    root: Path | None = None,
+    resume: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """ReLUfy ``base``, fine-tune it by distillation on the train text, save it, report.
+
+    The report holds the dense model's and the swapped model's held-out perplexity and
+    sparsity, the fine-tuning history (every ``config.eval_every`` steps), the result and the
+    wall time. The fine-tuned weights go to ``result_dir(stage, config.trainable, root)``
+    (``load_relufied`` reads them); its checkpoint makes an interrupted run resumable.
+    """
+    train = windows(encode(tokenizer, corpus(split="train")), seq_len)
+    eval_ids = encode(tokenizer, corpus(split="eval"))[:eval_tokens]
+    student = relufy(base, stage)
+    report: dict[str, Any] = {
+        "stage": stage,
+        "config": dataclasses.asdict(config),
+        "train_tokens_per_step": config.batch_size * seq_len,
+        "train_windows": train.shape[0],
+        "eval_tokens": eval_ids.numel(),
+        "dense": measure(base, eval_ids),
+        "swapped": measure(student, eval_ids),
+    }
+    out = result_dir(stage, config.trainable, root)
+    result = finetune(
+        student,
+        base,
+        train,
+        config,
+        checkpoint_dir=out,
+        resume=resume,
+        evaluate=lambda m: measure(m, eval_ids),
+        progress=progress,
+    )
+    report["history"] = result.history
+    report["finetuned"] = {k: v for k, v in result.history[-1].items() if k != "step"}
+    report["seconds"] = result.seconds
+    report["threads"] = torch.get_num_threads()
+    report["trained"] = result.trained
+    save_relufied(result.model, out / "model.safetensors", stage, report)
+    return report
+
+
+@torch.no_grad()
+def weights_equal(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two models hold identical parameters and buffers (same names, same values)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+__all__ = [
+    "STAGES",
+    "load_relufied",
+    "relufied_stage",
+    "relufy",
+    "result_dir",
+    "save_relufied",
+    "weights_equal",
+]
