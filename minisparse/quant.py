@@ -301,8 +301,9 @@ class Int8Linear(nn.Module):
     """Weight-only int8 linear: codes q [out, in] and one symmetric scale per output channel.
 
     y = x (s q)^T + b. On a CPU it runs ``torch._weight_int8pack_mm`` on bfloat16 activations
-    (the kernel reads int8 weights: a quarter of the float32 bytes); elsewhere it dequantizes
-    W on the fly. Works for any number of rows (prefill and decode).
+    (the kernel reads int8 weights: a quarter of the float32 bytes) when the input size is a
+    multiple of 16; otherwise, and off the CPU, it dequantizes W on the fly. Works for any
+    number of rows (prefill and decode).
     """
 
     def __init__(self, qt: QuantizedTensor, bias: Tensor | None = None) -> None:
@@ -319,7 +320,11 @@ class Int8Linear(nn.Module):
         scale = qt.scale.expand(out_features, 1).reshape(-1).float().contiguous()
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.fast = self.q.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
+        self.fast = (  # the CPU kernel crashes on input sizes that are not multiples of 16
+            self.q.device.type == "cpu"
+            and hasattr(torch, "_weight_int8pack_mm")
+            and in_features % 16 == 0
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
