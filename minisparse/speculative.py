@@ -44,7 +44,6 @@ Speculative Sampling" (2023); Saxena, "Prompt Lookup Decoding" (2023); Elhoushi 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +63,7 @@ from .generate import (
     stop_ids,
 )
 from .model import Block, Transformer, make_cache
+from .quant import quantize_model
 from .sparse_mlp import calibrate_thresholds, sparse_mlps
 
 # --------------------------------------------------------------------------------------------
@@ -311,64 +311,14 @@ def sparse_draft(model: Transformer, calibration_tokens: Tensor, sparsity: float
     return ModelDraft(model_with_layers(model, layers), name=f"sparse {sparsity:.0%}")
 
 
-class Int8Linear(nn.Module):
-    """Weight-only int8 linear: W ≈ s * Q with Q = round(W / s) in [−127, 127], s = max|W_row|/127.
-
-    Round-to-nearest with one scale per output row. On a CPU the product runs as
-    ``torch._weight_int8pack_mm`` with bfloat16 activations (it reads a quarter of the float32
-    bytes); where that kernel is missing or cannot take the shape, Q is dequantized on the fly.
-    Chapter 09 studies quantization properly; this is the smallest version that makes a fast
-    draft.
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("q", q.contiguous())
-        self.register_buffer("scale", scale)
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        # The CPU kernel handles input sizes that are multiples of 16 (others crash it).
-        self.fast = (
-            hasattr(torch, "_weight_int8pack_mm")
-            and w.device.type == "cpu"
-            and w.shape[1] % 16 == 0
-        )
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
-
-    def dequantized(self) -> Tensor:
-        return self.q.float() * self.scale[:, None]
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.fast:
-            flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-            y = torch._weight_int8pack_mm(flat, self.q, self.scale_bf16)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
-        else:
-            y = F.linear(x, self.dequantized().to(x.dtype))
-        return y if self.bias is None else y + self.bias
-
-
 def int8_draft(model: Transformer) -> ModelDraft:
-    """``model`` with every linear layer (LM head included) replaced by an ``Int8Linear``.
+    """``model`` with weight-only int8 linear layers, LM head included (``quant.Int8Linear``).
 
-    Weight-only int8 is close to lossless, so the draft agrees with the target almost always;
-    it streams a quarter of the linear layers' bytes.
+    Round-to-nearest with one scale per output channel (chapter 09): close to lossless, so the
+    draft agrees with the target almost always, and it streams a quarter of the linear layers'
+    bytes.
     """
-
-    def quantized(layer: nn.Module) -> nn.Module:
-        layer = copy.deepcopy(layer)
-        for module in list(layer.modules()):
-            for name, child in module.named_children():
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, Int8Linear(child))
-        return layer
-
-    layers = [quantized(layer) for layer in model.layers]
-    draft = model_with_layers(model, layers)
-    draft.lm_head = Int8Linear(model.lm_head)
-    return ModelDraft(draft, name="int8")
+    return ModelDraft(quantize_model(model, bits=8, packed=True, progress=False), name="int8")
 
 
 class PromptLookupDraft(Draft):
@@ -638,7 +588,6 @@ def best_gamma(
 
 __all__ = [
     "Draft",
-    "Int8Linear",
     "ModelDraft",
     "PromptLookupDraft",
     "Sampling",

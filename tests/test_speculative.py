@@ -384,23 +384,6 @@ def test_early_exit_draft_shares_weights_and_equals_truncated_model():
         torch.testing.assert_close(draft(tokens), want, rtol=0, atol=0)
 
 
-def test_int8_linear_against_dequantized_reference():
-    gen = torch.Generator().manual_seed(0)
-    for out_f, in_f, fast in ((37, 53, False), (77, 64, True)):
-        lin = torch.nn.Linear(in_f, out_f, bias=True)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(out_f, in_f, generator=gen))
-            lin.bias.copy_(torch.randn(out_f, generator=gen))
-        q = S.Int8Linear(lin)
-        assert q.fast == fast  # the int8 kernel takes input sizes that are multiples of 16
-        w = lin.weight.detach()
-        assert ((q.dequantized() - w).abs() <= q.scale[:, None] / 2 + 1e-6).all()
-        x = torch.randn(3, in_f, generator=gen)
-        want = torch.nn.functional.linear(x, q.dequantized(), lin.bias)
-        scale = x.abs().max() * w.abs().max() * in_f
-        assert (q(x) - want).abs().max() <= 2 * 2**-8 * scale  # bfloat16 activations
-
-
 def test_sampling_drafts_return_their_distributions():
     draft = S.ModelDraft(tiny_model(seed=4))
     draft.reset(32)
