@@ -16,6 +16,7 @@ The roofline at batch 1: a decode step reads every weight once, so its time is a
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +52,30 @@ def median_time(
         synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 20,
+    warmup: int = 3,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Median seconds of each function, timing them in turn within every repeat."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in tqdm(range(repeats), desc="timing", disable=not progress, leave=False):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def copy_bandwidth(
@@ -135,21 +160,72 @@ def bench_decode(
 
     ids = encode_prompt(tokenizer, prompt)
     eos = sorted(stop_ids(model, tokenizer))
-    ours = theirs = []
-    t_ours, t_theirs = [], []
-    for i in tqdm(range(warmup + repeats), desc="decode bench", disable=not progress):
-        t0 = time.perf_counter()
-        ours = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens)
-        t1 = time.perf_counter()
+
+    def theirs() -> list[int]:
         with torch.inference_mode():
-            theirs = hf_greedy(hf_model, ids, max_new_tokens, eos)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            t_ours.append((t1 - t0) / len(ours))
-            t_theirs.append((t2 - t1) / len(theirs))
+            return hf_greedy(hf_model, ids, max_new_tokens, eos)
+
+    runs = {
+        "minisparse": lambda: generate(model, tokenizer, ids, max_new_tokens=max_new_tokens),
+        "transformers": theirs,
+    }
+    speeds = interleaved_decode(runs, repeats, warmup, progress)
+    ours, hf = speeds["minisparse"], speeds["transformers"]
     return DecodeResult(
-        new_tokens=len(ours),
-        minisparse_tok_s=1.0 / statistics.median(t_ours),
-        transformers_tok_s=1.0 / statistics.median(t_theirs),
-        same_tokens=ours == theirs,
+        new_tokens=len(ours.tokens),
+        minisparse_tok_s=ours.tok_s,
+        transformers_tok_s=hf.tok_s,
+        same_tokens=ours.tokens == hf.tokens,
     )
+
+
+@dataclass
+class ModelSpeed:
+    """Greedy decode speed of one variant, and the tokens it produced."""
+
+    tok_s: float
+    tokens: list[int]
+
+
+def interleaved_decode(
+    runs: dict[str, Callable[[], list[int]]],
+    repeats: int = 5,
+    warmup: int = 1,
+    progress: bool = True,
+) -> dict[str, ModelSpeed]:
+    """Tokens/s of decode functions (each returns its new tokens), timed in turn per repeat.
+
+    ``interleaved_medians`` times every function once per repeat, so that machine noise hits
+    them alike; a function's speed is its token count over its median time.
+    """
+    tokens: dict[str, list[int]] = {}
+
+    def timed(name: str, run: Callable[[], list[int]]) -> Callable[[], None]:
+        def call() -> None:
+            tokens[name] = run()
+
+        return call
+
+    fns = {name: timed(name, run) for name, run in runs.items()}
+    seconds = interleaved_medians(fns, repeats=repeats, warmup=warmup, progress=progress)
+    return {name: ModelSpeed(len(tokens[name]) / seconds[name], tokens[name]) for name in runs}
+
+
+def bench_decode_models(
+    models: dict[str, torch.nn.Module],
+    tokenizer: Any,
+    prompt: Any,
+    max_new_tokens: int = 64,
+    repeats: int = 5,
+    warmup: int = 1,
+    progress: bool = True,
+) -> dict[str, ModelSpeed]:
+    """Greedy decode tokens/s of several minisparse models on one prompt, side by side."""
+    from .generate import encode_prompt, generate
+
+    ids = encode_prompt(tokenizer, prompt)
+    runs = {
+        name: functools.partial(generate, m, tokenizer, ids, max_new_tokens=max_new_tokens)
+        for name, m in models.items()
+    }
+    return interleaved_decode(runs, repeats, warmup, progress)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .bench import copy_bandwidth, synchronize
+from .bench import copy_bandwidth, interleaved_medians
 
 SHAPES = ((4096, 11008), (576, 1536))
 SPARSITIES = (0.0, 0.5, 0.7, 0.9, 0.95)
@@ -79,29 +79,6 @@ def random_active_sets(
     keep = round((1.0 - sparsity) * n)
     gen = torch.Generator().manual_seed(seed)
     return [torch.randperm(n, generator=gen)[:keep].sort().values.to(device) for _ in range(count)]
-
-
-def interleaved_medians(
-    fns: dict[str, Callable[[], object]],
-    repeats: int = 20,
-    warmup: int = 3,
-    device: torch.device | str | None = None,
-) -> dict[str, float]:
-    """Median seconds of each function, timing them in turn within every repeat."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}.")
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    synchronize(device)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 @dataclass

@@ -372,7 +372,8 @@ class Int4Linear(nn.Module):
     ``_weight_int4pack_mm_for_cpu`` on bfloat16 activations. That kernel computes
     ŵ = (u - 8) * s + z for unsigned codes u in [0, 15]; our x̂ = s q + m becomes u = q + c
     (c = 8 for symmetric codes, 0 for asymmetric ones) and z = m + (8 - c) s. Otherwise the
-    layer keeps the codes as int8 and dequantizes W on the fly.
+    layer keeps the codes (one byte each) and the group parameters, and dequantizes W on the
+    fly.
     """
 
     def __init__(self, qt: QuantizedTensor, bias: Tensor | None = None) -> None:
@@ -387,11 +388,11 @@ class Int4Linear(nn.Module):
         self.block = int4_kernel_block(group, in_features, out_features) if on_cpu else None
         self.fast = self.block is not None
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        if not self.fast:
-            self.register_buffer("q", qt.q.to(torch.int8))
-            self.register_buffer("scale_cols", qt.columns(qt.scale).float().contiguous())
-            offset = None if qt.offset is None else qt.columns(qt.offset).float().contiguous()
-            self.register_buffer("offset_cols", offset)
+        if not self.fast:  # the codes and per-group parameters as they are
+            self.spec = spec
+            self.register_buffer("q", qt.q)
+            self.register_buffer("scale", qt.scale.float())
+            self.register_buffer("offset", None if qt.offset is None else qt.offset.float())
             return
         shift = 8 if spec.symmetric else 0
         codes = (qt.q.to(torch.int32) + shift).contiguous()
@@ -406,8 +407,7 @@ class Int4Linear(nn.Module):
     def dequantized(self) -> Tensor:
         """The weight the layer computes with, [out, in] float32."""
         if not self.fast:
-            w = self.q.float() * self.scale_cols
-            return w if self.offset_cols is None else w + self.offset_cols
+            return QuantizedTensor(self.q, self.scale, self.offset, self.spec).dequantize()
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
         return self._kernel(eye).float().t()  # exact inputs, bfloat16 outputs
 

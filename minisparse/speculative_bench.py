@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .bench import interleaved_medians
 from .generate import encode_prompt, generate
-from .kernel_bench import interleaved_medians
 from .model import Transformer, make_cache
 from .speculative import (
     Draft,

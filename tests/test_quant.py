@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
+from minisparse.cli import main
 from minisparse.generate import generate
 from minisparse.gptq import gptq_quantize, hessian, output_error
 from minisparse.model import param_bytes
@@ -25,6 +26,7 @@ from minisparse.quant import (
     quantize_tensor,
     streamed_bytes,
 )
+from minisparse.quant_bench import VARIANTS, bench_quant
 from minisparse.smoothing import (
     awq_search,
     fold_scales,
@@ -423,6 +425,21 @@ def test_streamed_bytes_count_codes_and_scales():
     assert streamed_bytes(packed) == linear_weights + scales + norms  # the table is a lookup
 
 
+def test_quant_bench_on_a_tiny_model():
+    model = tiny_model(seed=10, dim=64, ffn_dim=128, n_heads=4, head_dim=16)
+    rows, linear = bench_quant(
+        model, None, [3, 1, 4, 1, 5], group_size=32, max_new_tokens=6, repeats=1, warmup=0,
+        linear_repeats=2, progress=False,
+    )  # fmt: skip
+    assert [r.variant for r in rows] == list(VARIANTS)
+    assert rows[0].speedup == 1.0 and rows[0].same_tokens and rows[0].bytes_ratio == 1.0
+    assert rows[1].bytes_ratio == pytest.approx(2.0) and rows[2].bytes_ratio > 2.5
+    assert rows[3].bytes_ratio > rows[2].bytes_ratio
+    assert all(r.tok_s > 0 and r.linear_ms > 0 for r in rows)
+    paths = {f"layers.0.{p}" for p in ("attn.q_proj", "attn.o_proj", "mlp.down_proj")}
+    assert paths < set(linear["int4"].per_call) and "lm_head" in linear["int4"].per_call
+
+
 # --------------------------------------------------------------------------------------------
 # The real model
 # --------------------------------------------------------------------------------------------
@@ -453,3 +470,16 @@ def test_real_model_int8_is_close_and_input_untouched(embedded):
     assert (ref.argmax(-1) == out.argmax(-1)).float().mean() >= 0.85
     assert float((out - ref).abs().max()) < 0.1 * float(ref.abs().max())
     assert streamed_bytes(packed) < 0.3 * streamed_bytes(model)
+
+
+def test_bench_quant_command(tmp_path, capsys, embedded):
+    out = tmp_path / "quant.json"
+    argv = ["bench", "quant", "--variants", "int8", "--max-new-tokens", "3", "--repeats", "1"]
+    argv += ["--warmup", "0", "--linear-repeats", "1", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "fp32" in text and "int8" in text and "lm_head (49152x576)" in text
+    assert [r["variant"] for r in __import__("json").loads(out.read_text())["rows"]] == [
+        "fp32",
+        "int8",
+    ]
