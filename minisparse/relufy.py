@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .data import corpus, encode
-from .eval import mean_nll, windows
+from .eval import windows
 from .finetune import FinetuneConfig, finetune
 from .loading import cache_dir, save_tensors_atomic
 from .model import Transformer
-from .sparsity import SITES, recording
+from .sparsity import measure
 
 STAGES = (1, 2)
 
@@ -96,14 +95,6 @@ def load_relufied(
     if missing:
         raise ValueError(f"{path} holds weights this model does not have: {missing[:3]}...")
     return model, info
-
-
-def measure(model: Transformer, eval_ids: torch.Tensor, seq_len: int = 256) -> dict[str, float]:
-    """Held-out perplexity and the share of exact zeros at each site, in one pass."""
-    with recording(model, SITES[:4]) as stats:
-        nll = mean_nll(model, eval_ids, seq_len=seq_len, progress=False)
-    zeros = {f"zeros_{site}": stats.mean(stats.zero_fraction(site)) for site in SITES[:4]}
-    return {"ppl": math.exp(nll), **zeros}
 
 
 def relufy_and_finetune(

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from .eval import mean_nll
 from .model import Transformer
 
 SITES = ("attn_in", "mlp_in", "mlp_act", "down_in", "heads")
@@ -299,6 +300,14 @@ def record(
     return stats
 
 
+def measure(model: Transformer, eval_ids: torch.Tensor, seq_len: int = 256) -> dict[str, float]:
+    """Held-out perplexity and the share of exact zeros at each site, in one pass."""
+    with recording(model, tuple(SLOTS)) as stats:
+        nll = mean_nll(model, eval_ids, seq_len=seq_len, progress=False)
+    zeros = {f"zeros_{site}": stats.mean(stats.zero_fraction(site)) for site in SLOTS}
+    return {"ppl": math.exp(nll), **zeros}
+
+
 def calibrate_thresholds(
     model: Transformer,
     token_batches: Tensor,
@@ -468,6 +477,7 @@ __all__ = [
     "apply_thresholds",
     "calibrate_thresholds",
     "lorenz_curve",
+    "measure",
     "record",
     "recording",
     "remove_thresholds",
