@@ -127,13 +127,14 @@ def cmd_relufy(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
     )
     model, tokenizer = load(args.model, device=args.device)
-    report = relufy_and_finetune(
+    _, report = relufy_and_finetune(
         model,
         tokenizer,
         args.stage,
         config,
         seq_len=args.seq_len,
         eval_tokens=args.eval_tokens,
+        root=Path(args.save_dir) if args.save_dir else None,
         resume=not args.fresh,
     )
     report["command"] = "minisparse " + shlex.join(args.argv)
@@ -144,7 +145,8 @@ def cmd_relufy(args: argparse.Namespace) -> int:
             f"{r['zeros_mlp_act']:.1%}, down input {r['zeros_down_in']:.1%}, "
             f"attention input {r['zeros_attn_in']:.1%}, MLP input {r['zeros_mlp_in']:.1%}"
         )
-    print(f"saved in {result_dir(args.stage, args.trainable)}; {report['seconds']:.0f} s")
+    saved = result_dir(args.stage, args.trainable, Path(args.save_dir) if args.save_dir else None)
+    print(f"saved in {saved}; {report['seconds']:.0f} s")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +204,7 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--fresh", action="store_true", help="ignore a checkpoint; start over")
+    p.add_argument("--save-dir", default=None, help="where results go (default: the cache)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.set_defaults(func=cmd_relufy)
 

@@ -107,8 +107,8 @@ def relufy_and_finetune(
     root: Path | None = None,
     resume: bool = True,
     progress: bool = True,
-) -> dict[str, Any]:
-    """ReLUfy ``base``, fine-tune it by distillation on the train text, save it, report.
+) -> tuple[Transformer, dict[str, Any]]:
+    """ReLUfy ``base``, fine-tune it by distillation on the train text, save it; (model, report).
 
     The report holds the dense model's and the swapped model's held-out perplexity and
     sparsity, the fine-tuning history (every ``config.eval_every`` steps), the result and the
@@ -144,7 +144,7 @@ def relufy_and_finetune(
     report["threads"] = torch.get_num_threads()
     report["trained"] = result.trained
     save_relufied(result.model, out / "model.safetensors", stage, report)
-    return report
+    return result.model, report
 
 
 @torch.no_grad()

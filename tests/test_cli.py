@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import minisparse
 from conftest import save_tiny_hf, tiny_model
 from minisparse.bench import bench_decode, median_time
 from minisparse.cli import main
 from minisparse.hf import to_hf
+from minisparse.relufy import load_relufied, relufied_stage
 
 
 def test_info(capsys):
@@ -53,6 +56,31 @@ def test_bench_decode_on_a_local_checkpoint(tmp_path, capsys, embedded):
     )
     out = capsys.readouterr().out
     assert code == 0 and out.count("same tokens: True") == 3
+
+
+def test_relufy_command_fine_tunes_saves_and_reports(tmp_path, capsys, embedded):
+    model_dir = save_tiny_hf(tmp_path / "model", seed=43, vocab_size=49152)
+    embedded[1].save_pretrained(model_dir)
+    args = ["relufy", "--model", str(model_dir), "--stage", "2", "--steps", "2"]
+    args += ["--batch-size", "2", "--seq-len", "32", "--eval-tokens", "256", "--warmup", "1"]
+    args += [
+        "--device",
+        "cpu",
+        "--save-dir",
+        str(tmp_path / "out"),
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["command"] == "minisparse " + " ".join(args)
+    assert [h["step"] for h in report["history"]] == [1, 2]
+    assert report["swapped"]["zeros_attn_in"] > 0.2 and report["dense"]["zeros_attn_in"] == 0.0
+    assert "finetuned  perplexity" in out
+    base, _ = minisparse.load(str(model_dir), device="cpu")
+    relu, info = load_relufied(base, 2, "mlp", root=tmp_path / "out")
+    assert info["trained"] == report["trained"] and relufied_stage(relu) == 2
 
 
 def test_bench_decode_function_reports_identical_tokens():
