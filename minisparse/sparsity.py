@@ -243,6 +243,22 @@ def head_norms(x: Tensor, n_heads: int) -> Tensor:
     return x.reshape(-1, n_heads, x.shape[-1] // n_heads).norm(dim=-1)
 
 
+def attach(layer: nn.Module, site: str, target: SiteStats, n_heads: int):
+    """Hook that feeds ``target`` with what ``site`` of ``layer`` sees; returns the handle."""
+    if site == "heads":
+
+        def pre_hook(_module: nn.Module, args: tuple) -> None:
+            target.update(head_norms(args[0].detach(), n_heads))
+
+        return layer.attn.o_proj.register_forward_pre_hook(pre_hook)
+
+    def hook(_module: nn.Module, _args: tuple, out: Tensor) -> None:
+        target.update(out)
+
+    owner, name = SLOTS[site](layer)
+    return getattr(owner, name).register_forward_hook(hook)
+
+
 @contextlib.contextmanager
 def recording(
     model: Transformer,
@@ -263,18 +279,11 @@ def recording(
             for s in sites
         }
     )
-    n_heads = model.config.n_heads
-    handles = []
-    for i, layer in enumerate(model.layers):
-        for site in sites:
-            target = stats.sites[site][i]
-            if site == "heads":
-                hook = lambda _m, args, t=target: t.update(head_norms(args[0].detach(), n_heads))  # noqa: E731
-                handles.append(layer.attn.o_proj.register_forward_pre_hook(hook))
-            else:
-                owner, name = SLOTS[site](layer)
-                hook = lambda _m, _a, out, t=target: t.update(out)  # noqa: E731
-                handles.append(getattr(owner, name).register_forward_hook(hook))
+    handles = [
+        attach(layer, site, stats.sites[site][i], model.config.n_heads)
+        for i, layer in enumerate(model.layers)
+        for site in sites
+    ]
     try:
         yield stats
     finally:
