@@ -78,7 +78,7 @@ def gptq_quantize(
 
     The loop runs on W^T, so that column i of W is a contiguous row of memory.
     """
-    w_t = w.detach().float().t().contiguous()  # [cols, rows]
+    w_t = w.detach().t().float().clone(memory_format=torch.contiguous_format)  # [cols, rows]
     cols, rows = w_t.shape
     h = h.float().clone()
     dead = h.diagonal() == 0

@@ -85,7 +85,7 @@ def is_linear_layer(module: nn.Module) -> bool:
 class LinearTimes:
     """Time in the linear layers of one decode step, measured by calling them all in order."""
 
-    per_token: float  # seconds for every linear layer once (the model's order), median
+    per_token: float  # seconds in the calls of every linear layer once (decode order), median
     per_call: dict[str, float]  # seconds of one call of each layer of layer 0's shapes
 
 
@@ -97,8 +97,9 @@ def linear_times(
 
     Calling one small layer again and again would time it from the cache; sweeping through all
     layers, as a decode step does, makes each call read its weights from memory (a model of
-    75-540 MB does not fit the CPU's caches). Each call is timed on its own; a sweep's total
-    is timed with the variants interleaved (``interleaved_medians``).
+    75-540 MB does not fit the CPU's caches). Each call is timed on its own, the variants'
+    sweeps interleaved (``interleaved_medians``); a token's linear time is the sum of a
+    sweep's calls.
     """
     calls = linear_shapes(next(iter(variants.values())))
     paths = [p.removeprefix("layers.0.") for p in calls if p != "lm_head"]
@@ -109,32 +110,31 @@ def linear_times(
             n: torch.randn(1, 1, n, dtype=model.dtype, device=model.device)
             for n in {model.get_submodule(p).in_features for p in calls}
         }
+        order = [(f"layers.0.{p}", layer.get_submodule(p)) for layer in model.layers for p in paths]
+        order.append(("lm_head", model.lm_head))
 
         def run() -> None:
             totals = dict.fromkeys(calls, 0.0)
-            for layer in model.layers:
-                for path in paths:
-                    module = layer.get_submodule(path)
-                    t0 = time.perf_counter()
-                    module(x[module.in_features])
-                    totals[f"layers.0.{path}"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            model.lm_head(x[model.lm_head.in_features])
-            totals["lm_head"] = time.perf_counter() - t0
+            for path, module in order:
+                t0 = time.perf_counter()
+                module(x[module.in_features])
+                totals[path] += time.perf_counter() - t0
             for path, t in totals.items():
-                record[name][path].append(t / calls[path])
+                record[name][path].append(t)
 
         return run
 
     fns = {name: sweep(name, model) for name, model in variants.items()}
-    per_token = interleaved_medians(fns, repeats=repeats, warmup=warmup)
-    return {
-        name: LinearTimes(
-            per_token=per_token[name],
-            per_call={p: statistics.median(ts[warmup:]) for p, ts in record[name].items()},
+    interleaved_medians(fns, repeats=repeats, warmup=warmup)
+    out = {}
+    for name in variants:
+        columns = zip(*record[name].values(), strict=True)
+        sweeps = [dict(zip(record[name], ts, strict=True)) for ts in columns][warmup:]
+        out[name] = LinearTimes(
+            per_token=statistics.median(sum(s.values()) for s in sweeps),
+            per_call={p: statistics.median(s[p] for s in sweeps) / calls[p] for p in calls},
         )
-        for name in variants
-    }
+    return out
 
 
 @dataclass

@@ -268,6 +268,14 @@ def test_gptq_output_error_is_at_most_rtn(spec, seed):
     assert int(qt.q.min()) >= spec.qmin and int(qt.q.max()) <= spec.qmax
 
 
+def test_gptq_leaves_its_input_untouched():
+    # An input-major weight (how minisparse stores them): its transpose is contiguous memory.
+    w = random_matrix(32, 24, seed=12).t().contiguous().t()
+    before = w.clone()
+    gptq_quantize(w, hessian(torch.randn(64, 24)), QuantSpec(4, 8, symmetric=False))
+    assert torch.equal(w, before)
+
+
 def test_gptq_on_uncorrelated_inputs_of_one_column_is_rtn():
     # With a diagonal Hessian no other column can absorb the error: GPTQ = RTN exactly.
     x = torch.randn(100, 32, generator=torch.Generator().manual_seed(4))
