@@ -520,7 +520,6 @@ class QuantConfig:
     alpha: float = 0.5  # SmoothQuant migration strength
     awq_grid: int = 20  # AWQ: alpha in {0, 1/n, ..., (n-1)/n}
     awq_clip: bool = True
-    awq_tokens: int = 512  # AWQ: calibration rows used in the searches
     gptq_damp: float = 0.01  # GPTQ: lambda = damp * mean(diag H)
     gptq_block: int = 128
 
@@ -538,8 +537,8 @@ class QuantConfig:
             check_packable(self)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1] (SmoothQuant uses 0.5), got {self.alpha}.")
-        if self.awq_grid < 1 or self.awq_tokens < 1 or self.gptq_block < 1:
-            raise ValueError("awq_grid, awq_tokens and gptq_block must be at least 1.")
+        if self.awq_grid < 1 or self.gptq_block < 1:
+            raise ValueError("awq_grid and gptq_block must be at least 1.")
         if self.gptq_damp <= 0:
             raise ValueError(f"gptq_damp must be > 0 (GPTQ uses 0.01), got {self.gptq_damp}.")
 
@@ -618,7 +617,7 @@ def quantize_model(
     Further ``options`` are the fields of ``QuantConfig``: ``symmetric``, ``act_bits`` (8 for
     W8A8, per-token; SmoothQuant's default), ``act_per_tensor``, ``packed`` (real int8/int4
     kernels instead of fake-quantized float32 weights), ``alpha``, ``awq_grid``, ``awq_clip``,
-    ``awq_tokens``, ``gptq_damp``, ``gptq_block``. The copy carries its ``quant_config``.
+    ``gptq_damp``, ``gptq_block``. The copy carries its ``quant_config``.
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(QuantConfig)}
     if unknown:

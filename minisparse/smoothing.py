@@ -30,7 +30,7 @@ weights that meet large activations: scaling column j up by s_j > 1 divides its 
 rounding error by about s_j. It searches
 
     s = mean|x|^α (normalised),   α in {0, 1/n, ..., (n-1)/n},
-    α* = argmin || x W^T - (x / s) Q(W diag(s))^T ||^2       on calibration rows,
+    α* = argmin || x W^T - (x / s) Q(W diag(s))^T ||^2       on the calibration tokens,
 
 and then, per output row and group, a clip ratio r in {1, 0.95, ..., 0.55} of the weight range
 that minimises the same error for that group's partial products (not for q and k, whose errors
@@ -176,12 +176,17 @@ def round_layer(
 # --------------------------------------------------------------------------------------------
 
 
-def calibration_rows(x: Tensor, n: int, seed: int = 0) -> Tensor:
-    """A seeded random subset of ``n`` rows of ``x`` (all of them when there are fewer)."""
-    if x.shape[0] <= n:
-        return x
-    gen = torch.Generator().manual_seed(seed)
-    return x[torch.randperm(x.shape[0], generator=gen)[:n].to(x.device)]
+def output_error(diff: Tensor, h: Tensor, n: int) -> Tensor:
+    """Mean over n rows of x and the rows of ``diff`` of (x · diff_r)^2, from H = X^T X.
+
+    ||X D^T||^2 = sum_r d_r H d_r^T: every calibration token counts, at a cost that does not grow
+    with their number. ``diff`` [..., in] against ``h`` [in, in], or grouped [rows, groups, g]
+    against per-group blocks [groups, g, g]: then the error per (row, group) [rows, groups].
+    """
+    if diff.dim() == 3:
+        per_group = torch.bmm(diff.transpose(0, 1), h).transpose(0, 1)  # [rows, groups, g]
+        return (per_group * diff).sum(-1) / n
+    return ((diff @ h) * diff).sum() / (n * diff.shape[0])
 
 
 @dataclass
@@ -200,10 +205,14 @@ class ScaleSearch:
 def awq_search(
     x: Tensor, weights: Sequence[Tensor], group: LinearGroup, spec: QuantSpec, n_grid: int = 20
 ) -> ScaleSearch:
-    """s = mean|x|^α / sqrt(max · min) for the α in the grid with the smallest output error."""
-    x = x.float()
+    """s = mean|x|^α / sqrt(max · min) for the α in the grid with the smallest output error.
+
+    The error is the mean of (x · (w - ŵ))^2 over all rows of ``x`` and of the weights,
+    computed from H = X^T X (``output_error``).
+    """
+    x = x.reshape(-1, x.shape[-1]).float()
+    h = x.T @ x
     w = torch.cat(list(weights)).float()
-    y = x @ w.T
     x_mean = to_prev_channels(group, x.abs().mean(0), reduce="mean")
     alphas = [i / n_grid for i in range(n_grid)]
     losses: list[float] = []
@@ -213,7 +222,7 @@ def awq_search(
         s = s / (s.max() * s.min()).sqrt()
         cols = to_input_channels(group, s)[None, :]
         w_hat = torch.cat([fake_quantize(wi.float() * cols, spec) / cols for wi in weights])
-        losses.append(float((x @ w_hat.T - y).pow(2).mean()))
+        losses.append(float(output_error(w - w_hat, h, x.shape[0])))
         if losses[-1] <= min(losses):
             best = s
     return ScaleSearch(scales=best, alphas=alphas, losses=losses)
@@ -224,20 +233,22 @@ def awq_clip(
 ) -> Tensor:
     """Per (row, group), the range ratio r that minimises the group's output error on ``x``.
 
-    err(r) = mean over rows of x of (x_g · (w_g - Q_r(w_g)))^2, with x_g the group's columns.
-    Returns ratios [rows, groups] for ``quantize_tensor(w, spec, clip=...)``.
+    err(r) = mean over rows of x of (x_g · (w_g - Q_r(w_g)))^2, with x_g the group's columns,
+    from the group's block of H = X^T X. Returns ratios [rows, groups] for
+    ``quantize_tensor(w, spec, clip=...)``.
     """
     if spec.per_tensor:
         return torch.ones(1, 1, dtype=w.dtype, device=w.device)
     wg = grouped(w.float(), spec)  # [rows, groups, g]
+    x = x.reshape(-1, x.shape[-1]).float()
     pad = wg.shape[1] * wg.shape[2] - w.shape[1]
-    xp = torch.cat([x.float(), x.new_zeros(x.shape[0], pad)], dim=1) if pad else x.float()
+    xp = torch.cat([x, x.new_zeros(x.shape[0], pad)], dim=1) if pad else x
     xg = xp.reshape(x.shape[0], wg.shape[1], wg.shape[2])  # zero padding: no partial product
+    h = torch.einsum("ngk,ngl->gkl", xg, xg)  # [groups, g, g]
     best_err = torch.full(wg.shape[:2], float("inf"), device=w.device)
     best_ratio = torch.ones(wg.shape[:2], device=w.device)
     for r in ratios:
-        w_hat = fake_quantize_groups(wg, spec, clip=r)
-        err = torch.einsum("ngk,rgk->ngr", xg, wg - w_hat).pow(2).mean(0).T  # [rows, groups]
+        err = output_error(wg - fake_quantize_groups(wg, spec, clip=r), h, x.shape[0])
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, torch.full_like(best_ratio, r), best_ratio)
@@ -251,7 +262,7 @@ def awq_scales(
     spec = config.weight_spec
     return {
         group.name: awq_search(
-            calibration_rows(inputs[group.name], config.awq_tokens),
+            inputs[group.name],
             group_weights(layer, group),
             group,
             spec,
@@ -271,8 +282,8 @@ def awq_layer(
         fold_scales(layer, group, scales[group.name])
     out = {}
     for group in groups:
-        x = calibration_rows(inputs[group.name], config.awq_tokens)
-        x = x / to_input_channels(group, scales[group.name]).to(x.dtype)  # what the layer sees now
+        x = inputs[group.name].float()
+        x = x / to_input_channels(group, scales[group.name]).float()  # what the layer sees now
         for name in group.linears:
             w = layer.get_submodule(name).weight.detach().float()
             clip_this = config.awq_clip and not name.endswith(("q_proj", "k_proj"))
