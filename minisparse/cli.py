@@ -125,6 +125,7 @@ def cmd_relufy(args: argparse.Namespace) -> int:
         kd_weight=args.kd_weight,
         eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every,
+        bf16={"auto": None, "on": True, "off": False}[args.bf16],
     )
     model, tokenizer = load(args.model, device=args.device)
     _, report = relufy_and_finetune(
@@ -203,6 +204,12 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--eval-tokens", type=int, default=8 * 256)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--bf16",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="bf16 autocast (auto: where the hardware has bf16 instructions)",
+    )
     p.add_argument("--fresh", action="store_true", help="ignore a checkpoint; start over")
     p.add_argument("--save-dir", default=None, help="where results go (default: the cache)")
     p.add_argument("--out", default=None, help="write the report as JSON here")

@@ -153,3 +153,13 @@ def test_bad_settings_are_clear_errors():
         F.FinetuneConfig(trainable="embeddings")
     with pytest.raises(ValueError, match="kd_weight"):
         F.FinetuneConfig(kd_weight=2.0)
+
+
+def test_bf16_autocast_is_used_only_where_the_hardware_has_it():
+    cpu = torch.device("cpu")
+    assert F.autocast(F.FinetuneConfig(), cpu).fast_dtype == torch.bfloat16
+    default = F.autocast(F.FinetuneConfig(), cpu)
+    assert default._enabled == F.native_bf16(cpu)
+    assert F.autocast(F.FinetuneConfig(bf16=True), cpu)._enabled
+    assert not F.autocast(F.FinetuneConfig(bf16=False), cpu)._enabled
+    assert F.cpu_name()
