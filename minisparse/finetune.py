@@ -186,6 +186,14 @@ def distillation_loss(
     return config.kd_weight * kl + (1 - config.kd_weight) * ce, kl, ce
 
 
+def cpu_info() -> str:
+    """The text of /proc/cpuinfo (Linux), or "" where there is none."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def native_bf16(device: torch.device | str = "cpu") -> bool:
     """Whether ``device`` multiplies bf16 matrices natively (faster than fp32).
 
@@ -196,27 +204,25 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_info()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def cpu_name() -> str:
     """The CPU's model name (Linux), else what ``platform`` knows; reports name their machine."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for line in cpu_info().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
+def uses_bf16(config: FinetuneConfig, device: torch.device) -> bool:
+    """Whether a run with ``config`` on ``device`` autocasts to bf16 (None: where native)."""
+    return native_bf16(device) if config.bf16 is None else config.bf16
+
+
 def autocast(config: FinetuneConfig, device: torch.device):
-    enabled = native_bf16(device) if config.bf16 is None else config.bf16
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(config, device))
 
 
 @dataclass
@@ -370,6 +376,7 @@ __all__ = [
     "FinetuneResult",
     "LoRALinear",
     "add_lora",
+    "cpu_info",
     "cpu_name",
     "distillation_loss",
     "finetune",
@@ -377,4 +384,5 @@ __all__ = [
     "lr_at",
     "merge_lora",
     "native_bf16",
+    "uses_bf16",
 ]

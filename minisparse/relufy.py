@@ -31,7 +31,7 @@ from torch import nn
 
 from .data import corpus, encode
 from .eval import windows
-from .finetune import FinetuneConfig, cpu_name, finetune, native_bf16
+from .finetune import FinetuneConfig, cpu_name, finetune, uses_bf16
 from .loading import cache_dir, save_tensors_atomic
 from .model import Transformer
 from .sparsity import measure
@@ -142,7 +142,7 @@ def relufy_and_finetune(
     report["finetuned"] = {k: v for k, v in result.history[-1].items() if k != "step"}
     report["seconds"] = result.seconds
     report["threads"] = torch.get_num_threads()
-    report["bf16"] = native_bf16(base.device) if config.bf16 is None else config.bf16
+    report["bf16"] = uses_bf16(config, base.device)
     report["cpu"] = cpu_name()
     report["trained"] = result.trained
     save_relufied(result.model, out / "model.safetensors", stage, report)

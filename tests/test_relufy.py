@@ -155,11 +155,17 @@ def test_bad_settings_are_clear_errors():
         F.FinetuneConfig(kd_weight=2.0)
 
 
-def test_bf16_autocast_is_used_only_where_the_hardware_has_it():
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True), ("avx2 amx_bf16 amx_tile", True)],
+)
+def test_bf16_autocast_is_used_only_where_the_hardware_has_it(monkeypatch, flags, native):
+    info = f"processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: {flags}\n"
+    monkeypatch.setattr(F, "cpu_info", lambda: info)
     cpu = torch.device("cpu")
+    assert F.native_bf16(cpu) is native
+    assert F.cpu_name() == "Test CPU 9000"
     assert F.autocast(F.FinetuneConfig(), cpu).fast_dtype == torch.bfloat16
-    default = F.autocast(F.FinetuneConfig(), cpu)
-    assert default._enabled == F.native_bf16(cpu)
+    assert F.autocast(F.FinetuneConfig(), cpu)._enabled is native
     assert F.autocast(F.FinetuneConfig(bf16=True), cpu)._enabled
     assert not F.autocast(F.FinetuneConfig(bf16=False), cpu)._enabled
-    assert F.cpu_name()
