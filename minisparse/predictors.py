@@ -1,0 +1,768 @@
+"""Sparsity predictors: guess each layer's active neurons and heads before computing them.
+
+The oracle of chapter 05 needs the dense activations to know which units matter, which defeats
+the purpose. DejaVu (Liu et al. 2023) and PowerInfer (Song et al. 2023) train, per layer, a
+small network that reads the layer's input x and outputs one logit per unit:
+
+    low-rank (DejaVu):   z = V (U x) + b            U: [r, d], V: [n, r]
+    MLP (PowerInfer):    z = V ReLU(U x + c) + b
+
+Neuron j is predicted active when z_j > 0 (sigmoid(z_j) > 1/2). A rank-r predictor costs
+r (d + n) + n parameters against 3 d n for the gated MLP it serves, so r << d keeps it cheap.
+
+**What is predicted.** Neuron j of layer l is *active* on a token when |h_j| > t_l, with
+h = act(W_gate x) * (W_up x) the down projection's input. For a ReLU model (chapter 04) t_l = 0:
+the active set is exactly the nonzero neurons, and a perfect predictor reproduces the dense
+model. For the SiLU model, t_l is chapter 03's calibrated threshold (TEAL on ``down_in``).
+A head is active when its output norm is among the top k of its layer (DejaVu's head
+predictor); the predicted heads are the top k logits.
+
+**Training** (``train_predictors``): record x and the active sets on training text; fit each
+predictor with a weighted binary cross-entropy
+
+    loss = -mean_j [ w y_j log sigmoid(z_j) + (1 - y_j) log(1 - sigmoid(z_j)) ]
+
+where w > 1 weighs a missed active neuron more than a false alarm: a miss changes the output,
+a false alarm only costs compute. **Adaptive size** (PowerInfer): per layer, start from a rank
+set by the layer's density, then go up the ladder of ranks while the recall on held-out tokens
+is below the target and down while it stays above; keep the smallest rank that meets it (or
+the largest tried). **Look-ahead**: predict layer l's set from layer l - 1's input, so the
+predictor can run one layer early, while layer l - 1 computes; the residual stream changes
+little between layers (chapter 05), at some cost in recall.
+
+**Scores**: recall = TP / (TP + FN) (share of active neurons predicted), precision =
+TP / (TP + FP), predicted sparsity = share of neurons predicted inactive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .contextual import Tally, drop_heads, keep_count, record_scores, top_mask
+from .loading import save_tensors_atomic
+from .model import Transformer
+from .sparsity import calibrate_thresholds, check_sparsity, head_norms
+
+KINDS = ("lowrank", "mlp")
+
+
+class Predictor(nn.Module):
+    """One layer's predictor: x [..., d] -> logits [..., n] through a rank-r bottleneck.
+
+    A unit is predicted active when its logit exceeds ``cutoff`` (0, i.e. sigmoid > 1/2, until
+    ``calibrate_cutoff`` moves it to reach a recall target).
+    """
+
+    def __init__(self, dim: int, rank: int, units: int, kind: str = "lowrank") -> None:
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"Unknown predictor kind {kind!r}; use one of {KINDS}.")
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}.")
+        self.kind, self.rank = kind, rank
+        self.down = nn.Linear(dim, rank, bias=kind == "mlp")
+        self.up = nn.Linear(rank, units)
+        self.register_buffer("cutoff", torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.down(x)
+        return self.up(torch.relu(z) if self.kind == "mlp" else z)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def init_random(predictor: Predictor, seed: int) -> Predictor:
+    """Seeded default initialisation (Kaiming-uniform weights, zero biases)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in predictor.parameters():
+            if p.dim() == 2:
+                nn.init.kaiming_uniform_(p, a=5**0.5, generator=gen)
+            else:
+                p.zero_()
+    return predictor
+
+
+def principal_directions(gate_weight: Tensor, x: Tensor) -> Tensor:
+    """Eigenvectors of the gate pre-activations' second moment, largest first: [n, n].
+
+    With g = W_gate x over the recorded tokens, C = E[g g^T]; its top-r eigenvectors B_r
+    span the r-dimensional subspace that keeps most of g's energy.
+    """
+    g = x.float() @ gate_weight.float().T
+    _, vectors = torch.linalg.eigh(g.T @ g / g.shape[0])
+    return vectors.flip(-1)
+
+
+@torch.no_grad()
+def init_compressed_gate(
+    predictor: Predictor, gate_weight: Tensor, directions: Tensor
+) -> Predictor:
+    """Start a low-rank predictor as the gate compressed to rank r on the data.
+
+    With B = the top-r principal directions of g = W_gate x, z = B B^T W_gate x is the best
+    rank-r approximation of g in mean square: U = B^T W_gate [r, d], V = B [n, r]. For a
+    ReLU model, neuron j is active exactly when g_j > 0, so z_j > 0 is already a predictor.
+    """
+    if predictor.kind != "lowrank":
+        raise ValueError("The compressed-gate start needs a low-rank (linear) predictor.")
+    b = directions[:, : predictor.rank]
+    predictor.down.weight.copy_(b.T @ gate_weight.float())
+    predictor.up.weight.copy_(b)
+    predictor.up.bias.zero_()
+    return predictor
+
+
+@torch.no_grad()
+def calibrate_cutoff(predictor: Predictor, x: Tensor, active: Tensor, recall: float) -> Predictor:
+    """Set the logit cutoff so that a share ``recall`` of the active units in (x, active) pass.
+
+    The cutoff is the (1 - recall)-quantile of the logits of the truly active units: a lower
+    cutoff finds more of them and also lets more inactive units through (lower precision).
+    """
+    positives = predictor(x)[active].float()
+    if positives.numel() == 0:  # nothing active: predict nothing
+        predictor.cutoff.fill_(float("inf"))
+    elif recall >= 1.0:  # every active unit: just below the smallest of their logits
+        predictor.cutoff.fill_(float(positives.min()) - 1e-6)
+    else:  # units pass when logit > cutoff: drop the k lowest
+        k = max(1, int((1 - recall) * positives.numel()))
+        predictor.cutoff.fill_(float(positives.kthvalue(k).values))
+    return predictor
+
+
+@dataclass
+class Target:
+    """What the predictors are asked to find: the model and, per layer, the activity threshold.
+
+    Neuron j of layer l is active when |h_j| > ``thresholds[l]`` (all 0 for a ReLU model).
+    """
+
+    model: Transformer
+    thresholds: list[float]
+    description: str
+
+
+def prediction_target(
+    base: Transformer, calibration: Tensor, sparsity: float = 0.5, stage: int = 1
+) -> Target:
+    """The fine-tuned ReLU model of chapter 04 when the cache has it, else the SiLU model.
+
+    For the SiLU model the active set is |h_j| > t_l with t_l calibrated on ``calibration`` at
+    ``sparsity`` (chapter 03's TEAL thresholds on the down projection's input).
+    """
+    from .relufy import load_relufied, result_dir
+
+    try:
+        model, info = load_relufied(base, stage)
+    except FileNotFoundError:
+        found = calibrate_thresholds(base, calibration, sparsity, ("down_in",), progress=False)
+        return Target(
+            base,
+            found["down_in"],
+            f"the embedded SiLU model; active = |h| above chapter 03's {sparsity:.0%} thresholds "
+            f"(no fine-tuned ReLU model in {result_dir(stage, 'mlp').parent})",
+        )
+    steps = info.get("config", {}).get("steps", "?")
+    zeros = info.get("finetuned", {}).get("zeros_mlp_act", float("nan"))
+    return Target(
+        model,
+        [0.0] * len(model.layers),
+        f"chapter 04's fine-tuned ReLU model (stage {stage}, {steps} steps, {zeros:.1%} zeros); "
+        "active = nonzero",
+    )
+
+
+@dataclass
+class LayerRecord:
+    """What one layer saw on some tokens: the predictors' inputs and the true sets."""
+
+    mlp_in: Tensor  # [tokens, dim], the MLP's (normed) input
+    attn_in: Tensor  # [tokens, dim], the attention's (normed) input
+    active: Tensor  # [tokens, ffn] bool, |h| > threshold
+    head_norms: Tensor  # [tokens, n_heads], ||o_i||
+
+
+@torch.inference_mode()
+def record_layers(
+    model: Transformer,
+    windows: Tensor,
+    thresholds: Sequence[float],
+    batch_size: int = 4,
+    progress: bool = False,
+) -> list[LayerRecord]:
+    """Run the dense model over ``windows`` [n, seq] and keep, per layer, inputs and sets."""
+    n_layers, n_heads = len(model.layers), model.config.n_heads
+    store: dict[str, list[list[Tensor]]] = {
+        k: [[] for _ in range(n_layers)] for k in ("mlp_in", "attn_in", "active", "heads")
+    }
+    handles = []
+    for i, layer in enumerate(model.layers):
+
+        def keep(key: str, i: int = i):
+            return lambda x: store[key][i].append(x.detach().reshape(-1, x.shape[-1]))
+
+        put_mlp, put_attn, put_active, put_heads = (
+            keep(k) for k in ("mlp_in", "attn_in", "active", "heads")
+        )
+        handles += [
+            layer.mlp.register_forward_pre_hook(lambda _m, a, f=put_mlp: f(a[0])),
+            layer.attn.register_forward_pre_hook(lambda _m, a, f=put_attn: f(a[0])),
+            layer.mlp.down_in_act.register_forward_hook(
+                lambda _m, _a, out, f=put_active, t=thresholds[i]: f(out.abs() > t)
+            ),
+            layer.attn.o_proj.register_forward_pre_hook(
+                lambda _m, a, f=put_heads: f(head_norms(a[0], n_heads))
+            ),
+        ]
+    device = next(model.parameters()).device
+    try:
+        for chunk in tqdm(windows.split(batch_size), desc="recording", disable=not progress):
+            model(chunk.to(device))
+    finally:
+        for h in handles:
+            h.remove()
+    return [
+        LayerRecord(*(torch.cat(store[k][i]) for k in ("mlp_in", "attn_in", "active", "heads")))
+        for i in range(n_layers)
+    ]
+
+
+@dataclass
+class Scores:
+    """Recall, precision and predicted sparsity of predicted sets against the true ones."""
+
+    recall: float
+    precision: float
+    predicted_sparsity: float
+    true_sparsity: float
+
+
+def confusion(predicted: Tensor, actual: Tensor) -> Scores:
+    """Scores of boolean ``predicted`` vs ``actual`` sets of the same shape (counted over all)."""
+    if predicted.shape != actual.shape:
+        raise ValueError(f"Shapes differ: predicted {predicted.shape}, actual {actual.shape}.")
+    tp = int((predicted & actual).sum())
+    n_pred, n_true = int(predicted.sum()), int(actual.sum())
+    return Scores(
+        recall=tp / n_true if n_true else 1.0,
+        precision=tp / n_pred if n_pred else 1.0,
+        predicted_sparsity=1 - n_pred / predicted.numel(),
+        true_sparsity=1 - n_true / actual.numel(),
+    )
+
+
+@dataclass
+class PredictorConfig:
+    """How predictors are built, trained and sized."""
+
+    kind: str = "lowrank"  # lowrank (DejaVu) or mlp (PowerInfer)
+    target_recall: float = 0.95  # each layer's cutoff is set to reach it on held-out tokens
+    ranks: tuple[int, ...] = (16, 32, 64, 128, 256)  # the ladder adaptive sizing walks
+    start_rank: int | None = None  # None: set by the layer's density (``initial_rank``)
+    min_efficiency: float = 0.75  # predicted sparsity / true sparsity a size must reach
+    init: str = "gate"  # lowrank only: "gate" (compressed gate) or "random"
+    epochs: int = 2  # weighted-BCE epochs after the start (0: none)
+    pos_weight: float = 2.0  # weight of an active neuron in the BCE
+    batch_size: int = 256
+    lr: float = 1e-3
+    seed: int = 0
+    lookahead: bool = False
+    head_sparsity: float = 0.0  # > 0: also train head predictors keeping 1 - s of the heads
+    head_rank: int = 32
+    head_epochs: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Unknown predictor kind {self.kind!r}; use one of {KINDS}.")
+        if not 0.0 < self.target_recall <= 1.0:
+            raise ValueError(f"target_recall must be in (0, 1], got {self.target_recall}.")
+        if not self.ranks or list(self.ranks) != sorted(set(self.ranks)) or self.ranks[0] < 1:
+            raise ValueError(f"ranks must be increasing positive integers, got {self.ranks}.")
+        if self.init not in ("gate", "random"):
+            raise ValueError(f"init must be 'gate' or 'random', got {self.init!r}.")
+        if self.kind == "mlp" and self.init == "gate":
+            self.init = "random"  # a ReLU between the factors has no compressed-gate start
+        if self.init == "random" and self.epochs < 1:
+            raise ValueError("A randomly initialised predictor needs epochs >= 1.")
+        check_sparsity(self.head_sparsity)
+
+
+def initial_rank(density: float, ranks: Sequence[int], dim: int) -> int:
+    """Where the size search starts: the ladder rank nearest (in log) to density * dim / 2.
+
+    A layer with few active neurons has fewer to find (PowerInfer sizes its predictors by the
+    layer's sparsity); a denser layer starts larger.
+    """
+    want = max(density * dim / 2, 1.0)
+    return min(ranks, key=lambda r: abs(math.log(r / want)))
+
+
+def fit(
+    predictor: Predictor,
+    x: Tensor,
+    y: Tensor,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    pos_weight: float,
+    seed: int,
+) -> Predictor:
+    """Train on inputs x [tokens, d] and boolean sets y [tokens, n]: weighted BCE with Adam.
+
+    Starts from the predictor's current weights; a one-cycle learning-rate schedule.
+    """
+    if epochs > 0:
+        gen = torch.Generator().manual_seed(seed)
+        opt = torch.optim.Adam(predictor.parameters(), lr=lr)
+        steps = epochs * ((x.shape[0] + batch_size - 1) // batch_size)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+        weight = torch.tensor(pos_weight)
+        with torch.enable_grad():
+            predictor.requires_grad_(True).train()
+            for _ in range(epochs):
+                for idx in torch.randperm(x.shape[0], generator=gen).split(batch_size):
+                    logits = predictor(x[idx])
+                    loss = F.binary_cross_entropy_with_logits(
+                        logits, y[idx].float(), pos_weight=weight
+                    )
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+    return predictor.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def predict_neurons(predictor: Predictor, x: Tensor) -> Tensor:
+    """Predicted active neurons: logit > the predictor's cutoff."""
+    return predictor(x) > predictor.cutoff
+
+
+@torch.no_grad()
+def predict_heads(predictor: Predictor, x: Tensor, keep: int) -> Tensor:
+    """Predicted heads: the ``keep`` largest logits per token."""
+    return top_mask(predictor(x), 1 - keep / predictor.up.out_features)
+
+
+@dataclass
+class Predictors:
+    """Per-layer neuron predictors (and optional head predictors) with what they were made for.
+
+    ``thresholds[l]``: neuron j of layer l counts as active when |h_j| > thresholds[l].
+    ``lookahead``: predictor l reads layer l - 1's MLP input (layer 0 reads its own).
+    ``head_keep``: heads kept per layer by the head predictors (0: no head predictors).
+    """
+
+    neurons: nn.ModuleList
+    thresholds: list[float]
+    kind: str
+    lookahead: bool = False
+    heads: nn.ModuleList | None = None
+    head_keep: int = 0
+    history: list[list[dict[str, float]]] = field(default_factory=list)  # sizes tried, per layer
+
+    @property
+    def ranks(self) -> list[int]:
+        return [p.rank for p in self.neurons]
+
+    def num_parameters(self) -> int:
+        heads = sum(p.num_parameters() for p in self.heads) if self.heads is not None else 0
+        return sum(p.num_parameters() for p in self.neurons) + heads
+
+    def parameter_share(self, model: Transformer) -> float:
+        """Predictor parameters as a share of the model's MLP parameters."""
+        mlp = sum(
+            m.weight.numel()
+            for layer in model.layers
+            for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+        )
+        return self.num_parameters() / mlp
+
+    def neuron_input(self, records: Sequence[LayerRecord], layer: int) -> Tensor:
+        source = layer - 1 if self.lookahead and layer > 0 else layer
+        return records[source].mlp_in
+
+    def evaluate(self, model: Transformer, windows: Tensor, batch_size: int = 4) -> dict[str, Any]:
+        """Recall, precision and sparsity per layer on ``windows`` [n, seq] (dense inputs).
+
+        Each layer's predictor reads the input the *dense* model gives it (as in DejaVu's
+        evaluation); ``predicted_quality`` measures what the errors do to the output.
+        """
+        records = record_layers(model, windows, self.thresholds, batch_size)
+        per_layer = [
+            confusion(predict_neurons(p, self.neuron_input(records, i)), records[i].active)
+            for i, p in enumerate(self.neurons)
+        ]
+        result: dict[str, Any] = {
+            key: [getattr(s, key) for s in per_layer] for key in asdict(per_layer[0])
+        }
+        result["rank"] = self.ranks
+        result["param_share"] = self.parameter_share(model)
+        if self.heads is not None:
+            head_scores = [
+                confusion(
+                    predict_heads(p, records[i].attn_in, self.head_keep),
+                    top_mask(records[i].head_norms, 1 - self.head_keep / p.up.out_features),
+                )
+                for i, p in enumerate(self.heads)
+            ]
+            result["head_recall"] = [s.recall for s in head_scores]
+        for key in [k for k, v in result.items() if isinstance(v, list)]:
+            result[f"mean_{key}"] = sum(result[key]) / len(result[key])
+        return result
+
+    def save(self, path: str | Path) -> Path:
+        """Write the predictors to one safetensors file (weights + a JSON description)."""
+        tensors = {f"neurons.{k}": v for k, v in self.neurons.state_dict().items()}
+        if self.heads is not None:
+            tensors |= {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        meta = {
+            "kind": self.kind,
+            "ranks": self.ranks,
+            "thresholds": self.thresholds,
+            "lookahead": self.lookahead,
+            "head_keep": self.head_keep,
+            "head_ranks": [p.rank for p in self.heads] if self.heads is not None else [],
+            "history": self.history,
+        }
+        path = Path(path)
+        save_tensors_atomic(
+            {k: v.contiguous() for k, v in tensors.items()}, path, {"predictors": json.dumps(meta)}
+        )
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, model: Transformer) -> Predictors:
+        """Read predictors saved by ``save`` for ``model``'s shape."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"No predictors at {path}; train them with train_predictors.")
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("predictors")
+        if raw is None:
+            raise ValueError(f"{path} is not a predictors file (no 'predictors' metadata).")
+        meta = json.loads(raw)
+        c = model.config
+        neurons = nn.ModuleList(Predictor(c.dim, r, c.ffn_dim, meta["kind"]) for r in meta["ranks"])
+        heads = None
+        if meta["head_ranks"]:
+            heads = nn.ModuleList(
+                Predictor(c.dim, r, c.n_heads, meta["kind"]) for r in meta["head_ranks"]
+            )
+        tensors = load_file(str(path))
+        neurons.load_state_dict(
+            {k.removeprefix("neurons."): v for k, v in tensors.items() if k.startswith("neurons.")}
+        )
+        if heads is not None:
+            heads.load_state_dict(
+                {k.removeprefix("heads."): v for k, v in tensors.items() if k.startswith("heads.")}
+            )
+        return cls(
+            neurons.requires_grad_(False),
+            meta["thresholds"],
+            meta["kind"],
+            meta["lookahead"],
+            heads.requires_grad_(False) if heads is not None else None,
+            meta["head_keep"],
+            meta["history"],
+        )
+
+    def select(self, layer: int, x: Tensor) -> Tensor:
+        """Active neuron indices of ``layer`` for MLP inputs x [tokens, dim] (union over tokens).
+
+        The ``select`` function of ``minisparse.sparse_mlp.sparsify`` (not for look-ahead
+        predictors, which read the previous layer's input).
+        """
+        if self.lookahead:
+            raise ValueError(
+                "Look-ahead predictors read the previous layer's input; use "
+                "predicted_masks_applied instead of a per-layer select."
+            )
+        return predict_neurons(self.neurons[layer], x).any(0).nonzero().flatten()
+
+
+def build_predictor(
+    rank: int,
+    gate_weight: Tensor,
+    directions: Tensor | None,
+    x: Tensor,
+    y: Tensor,
+    x_val: Tensor,
+    y_val: Tensor,
+    config: PredictorConfig,
+) -> tuple[Predictor, Scores]:
+    """One predictor of a given rank: start, train, set the cutoff on held-out tokens; score."""
+    p = Predictor(x.shape[1], rank, y.shape[1], config.kind)
+    if config.init == "gate" and directions is not None:
+        init_compressed_gate(p, gate_weight, directions)
+    else:
+        init_random(p, config.seed)
+    fit(p, x, y, config.epochs, config.batch_size, config.lr, config.pos_weight, config.seed)
+    calibrate_cutoff(p, x_val, y_val, config.target_recall)
+    return p, confusion(predict_neurons(p, x_val), y_val)
+
+
+def size_layer(
+    gate_weight: Tensor,
+    x: Tensor,
+    y: Tensor,
+    x_val: Tensor,
+    y_val: Tensor,
+    config: PredictorConfig,
+) -> tuple[Predictor, list[dict[str, float]]]:
+    """Adaptive size for one layer: the smallest ladder rank that is efficient enough.
+
+    Every predictor meets the recall target by its cutoff; what a larger one buys is
+    precision, i.e. predicted sparsity. A rank is *enough* when its predicted sparsity
+    reaches ``min_efficiency`` times the layer's true sparsity on the held-out tokens. Walk
+    down the ladder from the start while enough, up while not; keep the smallest enough rank
+    (or the largest tried). Returns it and every size tried with its held-out scores.
+    """
+    ranks = list(config.ranks)
+    directions = principal_directions(gate_weight, x) if config.init == "gate" else None
+    density = float(y.float().mean())
+    start = config.start_rank or initial_rank(density, ranks, x.shape[1])
+    i = ranks.index(start) if start in ranks else 0
+    tried: dict[int, tuple[Predictor, Scores]] = {}
+
+    def enough(rank: int) -> bool:
+        tried[rank] = build_predictor(rank, gate_weight, directions, x, y, x_val, y_val, config)
+        s = tried[rank][1]
+        return s.predicted_sparsity >= config.min_efficiency * s.true_sparsity
+
+    if enough(ranks[i]):
+        while i > 0 and enough(ranks[i - 1]):
+            i -= 1
+    else:
+        while i + 1 < len(ranks) and not enough(ranks[i + 1]):
+            i += 1
+        i = min(i + 1, len(ranks) - 1)
+    history = [{"rank": r, **asdict(s)} for r, (_, s) in sorted(tried.items())]
+    return tried[ranks[i]][0], history
+
+
+def train_predictors(
+    model: Transformer,
+    token_batches: Tensor,
+    target_recall: float = 0.95,
+    kind: str = "lowrank",
+    thresholds: Sequence[float] | None = None,
+    validation: Tensor | None = None,
+    config: PredictorConfig | None = None,
+    progress: bool = True,
+) -> Predictors:
+    """Train one neuron predictor per layer (and head predictors if asked), sized adaptively.
+
+    ``token_batches`` [n, seq]: training windows; ``validation``: held-out windows for the
+    cutoffs and the size search (default: the last eighth of ``token_batches``).
+    ``thresholds``: per-layer activity thresholds (default 0: nonzero, for ReLU models).
+    ``config`` overrides ``kind`` and ``target_recall`` when given.
+    """
+    config = config or PredictorConfig(kind=kind, target_recall=target_recall)
+    n_layers = len(model.layers)
+    thresholds = [0.0] * n_layers if thresholds is None else [float(t) for t in thresholds]
+    if len(thresholds) != n_layers:
+        raise ValueError(f"Got {len(thresholds)} thresholds for {n_layers} layers.")
+    if validation is None:
+        if token_batches.shape[0] < 2:
+            raise ValueError("Need at least two windows to hold one out, or pass validation=.")
+        cut = token_batches.shape[0] - max(1, token_batches.shape[0] // 8)
+        token_batches, validation = token_batches[:cut], token_batches[cut:]
+    train = record_layers(model, token_batches, thresholds, progress=progress)
+    val = record_layers(model, validation, thresholds)
+    result = Predictors(nn.ModuleList(), thresholds, config.kind, config.lookahead)
+    for i in tqdm(range(n_layers), desc="predictors", disable=not progress):
+        gate = model.layers[i].mlp.gate_proj.weight.detach()
+        x, x_val = result.neuron_input(train, i), result.neuron_input(val, i)
+        predictor, tried = size_layer(gate, x, train[i].active, x_val, val[i].active, config)
+        result.neurons.append(predictor)
+        result.history.append(tried)
+    if config.head_sparsity > 0:
+        result.heads = train_head_predictors(model, train, config)
+        result.head_keep = keep_count(model.config.n_heads, config.head_sparsity)
+    return result
+
+
+def train_head_predictors(
+    model: Transformer, records: Sequence[LayerRecord], config: PredictorConfig
+) -> nn.ModuleList:
+    """Per layer, a predictor of the top (1 - s) heads by output norm from the attention input."""
+    c = model.config
+    heads = nn.ModuleList()
+    for r in records:
+        y = top_mask(r.head_norms, config.head_sparsity)
+        p = init_random(Predictor(c.dim, config.head_rank, c.n_heads, config.kind), config.seed)
+        heads.append(
+            fit(p, r.attn_in, y, config.head_epochs, config.batch_size, 3e-3, 1.0, config.seed)
+        )
+    return heads
+
+
+@contextlib.contextmanager
+def predicted_masks_applied(
+    model: Transformer, predictors: Predictors, mode: str = "predicted", heads: bool = True
+) -> Iterator[list[Tensor]]:
+    """Run a block with every MLP computing only the predicted neurons (masked dense math).
+
+    ``mode``: "predicted" keeps the predicted set; "oracle" keeps, per token, the same number
+    of neurons but the largest |h_j| (the best set of that size); "true" keeps the true active
+    set |h_j| > t_l. Head predictors, when present and ``heads`` is true, drop the heads they
+    do not predict.
+    Yields a list that collects each layer's kept share per call (the density).
+    """
+    if mode not in ("predicted", "oracle", "true"):
+        raise ValueError(f"Unknown mode {mode!r}; use 'predicted', 'oracle' or 'true'.")
+    n_heads = model.config.n_heads
+    densities: list[Tensor] = []
+    mlp_in: dict[int, Tensor] = {}  # layer -> its MLP input in this forward pass
+    attn_in: dict[int, Tensor] = {}
+
+    def store(inputs: dict[int, Tensor], i: int):
+        def pre_hook(_m: nn.Module, args: tuple) -> None:
+            inputs[i] = args[0]
+
+        return pre_hook
+
+    def mask_neurons(i: int):
+        def hook(_m: nn.Module, _a: tuple, h: Tensor) -> Tensor:
+            source = mlp_in[i - 1] if predictors.lookahead and i > 0 else mlp_in[i]
+            predicted = predict_neurons(predictors.neurons[i], source)
+            if mode == "true":
+                keep = h.abs() > predictors.thresholds[i]
+            elif mode == "oracle":
+                keep = keep_largest(h.abs(), predicted.sum(-1))
+            else:
+                keep = predicted
+            densities.append(keep.float().mean())
+            return h * keep.to(h.dtype)
+
+        return hook
+
+    def mask_heads(i: int):
+        def pre_hook(_m: nn.Module, args: tuple) -> tuple:
+            keep = predict_heads(predictors.heads[i], attn_in[i], predictors.head_keep)
+            return (drop_heads(args[0], keep, n_heads),)
+
+        return pre_hook
+
+    handles = []
+    for i, layer in enumerate(model.layers):
+        handles.append(layer.mlp.register_forward_pre_hook(store(mlp_in, i)))
+        handles.append(layer.mlp.down_in_act.register_forward_hook(mask_neurons(i)))
+        if heads and predictors.heads is not None:
+            handles.append(layer.attn.register_forward_pre_hook(store(attn_in, i)))
+            handles.append(layer.attn.o_proj.register_forward_pre_hook(mask_heads(i)))
+    try:
+        yield densities
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def keep_largest(scores: Tensor, counts: Tensor) -> Tensor:
+    """Per row, a mask of the ``counts[row]`` largest entries of ``scores`` [..., n]."""
+    order = scores.argsort(dim=-1, descending=True)
+    ranks = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(scores.shape[-1]).expand_as(order)
+    )
+    return ranks < counts[..., None]
+
+
+@torch.inference_mode()
+def predicted_quality(
+    model: Transformer,
+    predictors: Predictors,
+    windows: Tensor,
+    modes: Sequence[str] = ("true", "predicted", "oracle"),
+    heads: bool = False,
+    batch_size: int = 4,
+) -> dict[str, dict[str, float]]:
+    """End to end: perplexity, agreement with dense and kept-neuron density for each mode.
+
+    ``heads``: also drop the heads the head predictors leave out (in every mode).
+    """
+    device = next(model.parameters()).device
+    tallies = {m: Tally() for m in ("dense", *modes)}
+    density: dict[str, list[float]] = {m: [] for m in modes}
+    for tokens in windows.split(batch_size):
+        tokens = tokens.to(device)
+        logits, _ = record_scores(model, tokens)
+        reference = logits[:, :-1].argmax(-1)
+        tallies["dense"].add(logits, tokens, reference)
+        for m in modes:
+            with predicted_masks_applied(model, predictors, m, heads) as kept:
+                tallies[m].add(model(tokens), tokens, reference)
+            density[m].append(float(torch.stack(kept).mean()))
+    out = {"dense": {"ppl": tallies["dense"].ppl, "agreement": 1.0, "density": 1.0}}
+    for m in modes:
+        t = tallies[m]
+        out[m] = {
+            "ppl": t.ppl,
+            "agreement": t.agree / t.count,
+            "density": sum(density[m]) / len(density[m]),
+        }
+    return out
+
+
+def mlp_cost(model: Transformer, predictors: Predictors, density: float) -> dict[str, float]:
+    """Per-token FLOPs of the MLPs, dense and with predicted sets, with the predictors counted.
+
+    A predicted-sparse MLP reads rows of W_gate, W_up and columns of W_down for a share
+    ``density`` of the neurons: 6 d n density FLOPs per layer against 6 d n; a predictor costs
+    2 (d r + r n) (weights are read once each, so bytes follow the same ratio at one dtype).
+    """
+    c = model.config
+    dense = 6 * c.dim * c.ffn_dim * c.n_layers
+    predictor = 2 * sum(p.num_parameters() for p in predictors.neurons)
+    sparse = dense * density
+    return {
+        "dense_flops": float(dense),
+        "sparse_flops": float(sparse),
+        "predictor_flops": float(predictor),
+        "skipped_share": 1 - (sparse + predictor) / dense,
+    }
+
+
+__all__ = [
+    "KINDS",
+    "LayerRecord",
+    "Predictor",
+    "PredictorConfig",
+    "Predictors",
+    "Scores",
+    "Target",
+    "build_predictor",
+    "calibrate_cutoff",
+    "confusion",
+    "fit",
+    "init_compressed_gate",
+    "init_random",
+    "initial_rank",
+    "keep_largest",
+    "mlp_cost",
+    "predict_heads",
+    "predict_neurons",
+    "predicted_masks_applied",
+    "predicted_quality",
+    "prediction_target",
+    "principal_directions",
+    "record_layers",
+    "size_layer",
+    "train_head_predictors",
+    "train_predictors",
+]
