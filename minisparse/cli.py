@@ -5,6 +5,8 @@ minisparse generate "prompt" [--chat]    stream a continuation (or a chat answer
 minisparse tour                          the five-minute tour of the real model
 minisparse bench decode                  minisparse vs transformers decode speed
 minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
+minisparse relufy --stage 1 --steps 200  ReLUfy and fine-tune by distillation (chapter 04)
+minisparse predictors                    train sparsity predictors and save them (chapter 06)
 """
 
 from __future__ import annotations
@@ -156,6 +158,50 @@ def cmd_relufy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predictors(args: argparse.Namespace) -> int:
+    import json
+
+    from .data import corpus, encode, token_batches
+    from .eval import windows
+    from .loading import cache_dir, load
+    from .predictors import PredictorConfig, prediction_target, train_predictors
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base, tokenizer = load(args.model, device=args.device)
+    calibration = token_batches(tokenizer, corpus(split="calib"), args.seq_len, args.val_windows)
+    target = prediction_target(base, calibration, sparsity=args.silu_sparsity)
+    print(f"model: {target.description}", flush=True)
+    config = PredictorConfig(
+        kind=args.kind,
+        target_recall=args.target_recall,
+        lookahead=args.lookahead,
+        head_sparsity=args.head_sparsity,
+    )
+    train = token_batches(tokenizer, corpus(split="train"), args.seq_len, args.windows)
+    predictors = train_predictors(
+        target.model, train, thresholds=target.thresholds, validation=calibration, config=config
+    )
+    held_out = windows(encode(tokenizer, corpus(split="eval"))[: args.eval_tokens], args.seq_len)
+    scores = predictors.evaluate(target.model, held_out)
+    print(f"ranks per layer: {predictors.ranks}")
+    print(
+        f"held-out: recall {scores['mean_recall']:.1%}, precision {scores['mean_precision']:.1%}, "
+        f"neurons skipped {scores['mean_predicted_sparsity']:.1%} "
+        f"(true {scores['mean_true_sparsity']:.1%}); "
+        f"{predictors.parameter_share(target.model):.1%} of the MLP parameters"
+    )
+    made_for = "relu" if not any(target.thresholds) else "silu"
+    default = cache_dir() / "predictors" / f"{made_for}-{args.kind}.safetensors"
+    out = Path(args.out) if args.out else default
+    predictors.save(out)
+    print(f"saved: {out}")
+    if args.report:
+        report = {"model": target.description, "config": vars(config), **scores}
+        Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 #: Chapter benchmarks: ``minisparse bench NAME`` calls ``minisparse.<module>.run(args)`` after
 #: ``minisparse.<module>.add_arguments(parser)`` declared its options.
 CHAPTER_BENCHMARKS = {
@@ -214,6 +260,27 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--save-dir", default=None, help="where results go (default: the cache)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.set_defaults(func=cmd_relufy)
+
+    p = sub.add_parser("predictors", help="train per-layer sparsity predictors and save them")
+    add_model_arguments(p)
+    p.add_argument("--kind", default="lowrank", choices=("lowrank", "mlp"))
+    p.add_argument("--target-recall", type=float, default=0.95)
+    p.add_argument("--windows", type=int, default=16, help="training windows of --seq-len tokens")
+    p.add_argument("--val-windows", type=int, default=4, help="validation windows (cutoffs, sizes)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--eval-tokens", type=int, default=4 * 256)
+    p.add_argument("--lookahead", action="store_true", help="predict from the previous layer")
+    p.add_argument("--head-sparsity", type=float, default=0.0, help="> 0: head predictors too")
+    p.add_argument(
+        "--silu-sparsity",
+        type=float,
+        default=0.5,
+        help="without a fine-tuned ReLU model: the SiLU model's threshold sparsity",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--out", default=None, help="safetensors file (default: in the cache)")
+    p.add_argument("--report", default=None, help="write the held-out scores as JSON here")
+    p.set_defaults(func=cmd_predictors)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("decode", help="greedy decode tokens/s: minisparse vs transformers")

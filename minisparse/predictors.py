@@ -120,6 +120,11 @@ def init_compressed_gate(
     """
     if predictor.kind != "lowrank":
         raise ValueError("The compressed-gate start needs a low-rank (linear) predictor.")
+    if predictor.rank > directions.shape[1]:
+        raise ValueError(
+            f"rank {predictor.rank} exceeds the {directions.shape[1]} principal directions; "
+            "use a rank at most min(dim, units)."
+        )
     b = directions[:, : predictor.rank]
     predictor.down.weight.copy_(b.T @ gate_weight.float())
     predictor.up.weight.copy_(b)
@@ -276,10 +281,10 @@ class PredictorConfig:
     start_rank: int | None = None  # None: set by the layer's density (``initial_rank``)
     min_efficiency: float = 0.75  # predicted sparsity / true sparsity a size must reach
     init: str = "gate"  # lowrank only: "gate" (compressed gate) or "random"
-    epochs: int = 2  # weighted-BCE epochs after the start (0: none)
+    epochs: int | None = None  # weighted-BCE epochs after the start; None: 0 after "gate", else 4
     pos_weight: float = 2.0  # weight of an active neuron in the BCE
     batch_size: int = 256
-    lr: float = 1e-3
+    lr: float = 3e-3
     seed: int = 0
     lookahead: bool = False
     head_sparsity: float = 0.0  # > 0: also train head predictors keeping 1 - s of the heads
@@ -297,6 +302,8 @@ class PredictorConfig:
             raise ValueError(f"init must be 'gate' or 'random', got {self.init!r}.")
         if self.kind == "mlp" and self.init == "gate":
             self.init = "random"  # a ReLU between the factors has no compressed-gate start
+        if self.epochs is None:
+            self.epochs = 0 if self.init == "gate" else 4
         if self.init == "random" and self.epochs < 1:
             raise ValueError("A randomly initialised predictor needs epochs >= 1.")
         check_sparsity(self.head_sparsity)
@@ -524,6 +531,7 @@ def size_layer(
     x_val: Tensor,
     y_val: Tensor,
     config: PredictorConfig,
+    directions: Tensor | None = None,
 ) -> tuple[Predictor, list[dict[str, float]]]:
     """Adaptive size for one layer: the smallest ladder rank that is efficient enough.
 
@@ -531,10 +539,14 @@ def size_layer(
     precision, i.e. predicted sparsity. A rank is *enough* when its predicted sparsity
     reaches ``min_efficiency`` times the layer's true sparsity on the held-out tokens. Walk
     down the ladder from the start while enough, up while not; keep the smallest enough rank
-    (or the largest tried). Returns it and every size tried with its held-out scores.
+    (or the largest tried); ranks above min(d, n) are left out. Returns the predictor and every
+    size tried with its held-out scores.
+    ``directions``: ``principal_directions(gate_weight, x)`` when already computed.
     """
-    ranks = list(config.ranks)
-    directions = principal_directions(gate_weight, x) if config.init == "gate" else None
+    largest = min(x.shape[1], y.shape[1])  # a bottleneck wider than d or n buys nothing
+    ranks = [r for r in config.ranks if r <= largest] or [largest]
+    if directions is None and config.init == "gate":
+        directions = principal_directions(gate_weight, x)
     density = float(y.float().mean())
     start = config.start_rank or initial_rank(density, ranks, x.shape[1])
     i = ranks.index(start) if start in ranks else 0
@@ -585,11 +597,30 @@ def train_predictors(
         token_batches, validation = token_batches[:cut], token_batches[cut:]
     train = record_layers(model, token_batches, thresholds, progress=progress)
     val = record_layers(model, validation, thresholds)
-    result = Predictors(nn.ModuleList(), thresholds, config.kind, config.lookahead)
+    return fit_predictors(model, train, val, thresholds, config, progress)
+
+
+def fit_predictors(
+    model: Transformer,
+    train: Sequence[LayerRecord],
+    val: Sequence[LayerRecord],
+    thresholds: Sequence[float],
+    config: PredictorConfig,
+    progress: bool = True,
+    directions: Sequence[Tensor] | None = None,
+) -> Predictors:
+    """``train_predictors`` on already recorded layers (record once, try several configs).
+
+    ``directions``: per layer, the gate's principal directions on ``train`` (computed when
+    missing; pass them to reuse them across configs with the same inputs).
+    """
+    n_layers = len(model.layers)
+    result = Predictors(nn.ModuleList(), list(thresholds), config.kind, config.lookahead)
     for i in tqdm(range(n_layers), desc="predictors", disable=not progress):
         gate = model.layers[i].mlp.gate_proj.weight.detach()
         x, x_val = result.neuron_input(train, i), result.neuron_input(val, i)
-        predictor, tried = size_layer(gate, x, train[i].active, x_val, val[i].active, config)
+        known = None if directions is None else directions[i]
+        predictor, tried = size_layer(gate, x, train[i].active, x_val, val[i].active, config, known)
         result.neurons.append(predictor)
         result.history.append(tried)
     if config.head_sparsity > 0:
@@ -750,6 +781,7 @@ __all__ = [
     "calibrate_cutoff",
     "confusion",
     "fit",
+    "fit_predictors",
     "init_compressed_gate",
     "init_random",
     "initial_rank",

@@ -107,3 +107,32 @@ def test_errors_are_one_line(capsys):
     assert main(["info", "--model", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: Unknown model") and err.count("\n") == 1
+
+
+def test_predictors_command_trains_saves_and_reports(tmp_path, capsys, monkeypatch, embedded):
+    monkeypatch.setenv("MINISPARSE_CACHE", str(tmp_path / "cache"))  # no fine-tuned ReLU model
+    model_dir = save_tiny_hf(tmp_path / "model", seed=44, vocab_size=49152)
+    embedded[1].save_pretrained(model_dir)
+    out, report = tmp_path / "p.safetensors", tmp_path / "r.json"
+    args = ["predictors", "--model", str(model_dir), "--device", "cpu", "--windows", "4"]
+    args += [
+        "--val-windows",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-tokens",
+        "64",
+        "--head-sparsity",
+        "0.25",
+    ]
+    args += ["--out", str(out), "--report", str(report)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "the embedded SiLU model" in text and "held-out: recall" in text
+    scores = json.loads(report.read_text())
+    base, _ = minisparse.load(str(model_dir), device="cpu")
+    from minisparse.predictors import Predictors
+
+    loaded = Predictors.load(out, base)
+    assert loaded.ranks == scores["rank"] and len(loaded.ranks) == 2 and loaded.head_keep == 3
+    assert 0.0 < scores["mean_recall"] <= 1.0
