@@ -411,6 +411,10 @@ class Predictors:
         evaluation); ``predicted_quality`` measures what the errors do to the output.
         """
         records = record_layers(model, windows, self.thresholds, batch_size)
+        return self.score(model, records)
+
+    def score(self, model: Transformer, records: Sequence[LayerRecord]) -> dict[str, Any]:
+        """``evaluate`` on layers already recorded with these predictors' thresholds."""
         per_layer = [
             confusion(predict_neurons(p, self.neuron_input(records, i)), records[i].active)
             for i, p in enumerate(self.neurons)
