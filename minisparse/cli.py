@@ -192,7 +192,8 @@ def cmd_predictors(args: argparse.Namespace) -> int:
         f"{predictors.parameter_share(target.model):.1%} of the MLP parameters"
     )
     made_for = "relu" if not any(target.thresholds) else "silu"
-    default = cache_dir() / "predictors" / f"{made_for}-{args.kind}.safetensors"
+    name = f"{Path(args.model).name}-{made_for}-{args.kind}.safetensors"
+    default = cache_dir() / "predictors" / name
     out = Path(args.out) if args.out else default
     predictors.save(out)
     print(f"saved: {out}")

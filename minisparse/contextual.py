@@ -89,8 +89,12 @@ def keep_count(n: int, sparsity: float) -> int:
 
 
 def top_mask(scores: Tensor, sparsity: float) -> Tensor:
-    """Boolean mask of the top (1 - s) units along the last axis (ties broken by index)."""
-    k = keep_count(scores.shape[-1], sparsity)
+    """Boolean mask of the top (1 - s) units along the last axis."""
+    return top_k_mask(scores, keep_count(scores.shape[-1], sparsity))
+
+
+def top_k_mask(scores: Tensor, k: int) -> Tensor:
+    """Boolean mask of the k largest scores along the last axis."""
     keep = torch.zeros_like(scores, dtype=torch.bool)
     return keep.scatter_(-1, scores.topk(k, dim=-1).indices, True)
 
@@ -162,7 +166,7 @@ def oracle_masks(scores: UnitScores | StaticScores, setting: Setting) -> Masks:
 
 def drop_heads(x: Tensor, keep: Tensor, n_heads: int) -> Tensor:
     """Zero the heads not in ``keep`` [..., n_heads] of an attention output x [..., heads * d]."""
-    heads = x.view(*x.shape[:-1], n_heads, -1) * keep.to(x.dtype)[..., None]
+    heads = x.view(*x.shape[:-1], n_heads, -1) * keep.to(x.device, x.dtype)[..., None]
     return heads.view(x.shape)
 
 
@@ -177,7 +181,7 @@ def masks_applied(model: Transformer, masks: Masks) -> Iterator[Transformer]:
     handles = []
 
     def mask_neurons(keep: Tensor):
-        return lambda _m, _a, out: out * keep.to(out.dtype)
+        return lambda _m, _a, out: out * keep.to(out.device, out.dtype)
 
     def mask_heads(keep: Tensor):
         return lambda _m, args: (drop_heads(args[0], keep, n_heads),)
@@ -347,5 +351,6 @@ __all__ = [
     "overall_sparsity",
     "record_scores",
     "static_scores",
+    "top_k_mask",
     "top_mask",
 ]

@@ -7,8 +7,9 @@ small network that reads the layer's input x and outputs one logit per unit:
     low-rank (DejaVu):   z = V (U x) + b            U: [r, d], V: [n, r]
     MLP (PowerInfer):    z = V ReLU(U x + c) + b
 
-Neuron j is predicted active when z_j > 0 (sigmoid(z_j) > 1/2). A rank-r predictor costs
-r (d + n) + n parameters against 3 d n for the gated MLP it serves, so r << d keeps it cheap.
+Neuron j is predicted active when z_j exceeds a cutoff (0 means sigmoid(z_j) > 1/2). A rank-r
+predictor costs r (d + n) + n parameters (+ r for the MLP kind's hidden bias) against 3 d n for
+the gated MLP it serves, so r << d keeps it cheap.
 
 **What is predicted.** Neuron j of layer l is *active* on a token when |h_j| > t_l, with
 h = act(W_gate x) * (W_up x) the down projection's input. For a ReLU model (chapter 04) t_l = 0:
@@ -51,7 +52,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .contextual import Tally, drop_heads, keep_count, record_scores, top_mask
+from .contextual import Tally, drop_heads, keep_count, top_k_mask
 from .loading import save_tensors_atomic
 from .model import Transformer
 from .sparsity import calibrate_thresholds, check_sparsity, head_norms
@@ -144,9 +145,12 @@ def calibrate_cutoff(predictor: Predictor, x: Tensor, active: Tensor, recall: fl
         predictor.cutoff.fill_(float("inf"))
     elif recall >= 1.0:  # every active unit: just below the smallest of their logits
         predictor.cutoff.fill_(float(positives.min()) - 1e-6)
-    else:  # units pass when logit > cutoff: drop the k lowest
-        k = max(1, int((1 - recall) * positives.numel()))
-        predictor.cutoff.fill_(float(positives.kthvalue(k).values))
+    else:  # units pass when logit > cutoff: drop the k lowest, k <= (1 - recall) * N
+        k = int((1 - recall) * positives.numel())
+        if k == 0:
+            predictor.cutoff.fill_(float(positives.min()) - 1e-6)
+        else:
+            predictor.cutoff.fill_(float(positives.kthvalue(k).values))
     return predictor
 
 
@@ -298,6 +302,8 @@ class PredictorConfig:
             raise ValueError(f"target_recall must be in (0, 1], got {self.target_recall}.")
         if not self.ranks or list(self.ranks) != sorted(set(self.ranks)) or self.ranks[0] < 1:
             raise ValueError(f"ranks must be increasing positive integers, got {self.ranks}.")
+        if self.start_rank is not None and self.start_rank not in self.ranks:
+            raise ValueError(f"start_rank {self.start_rank} is not on the ladder {self.ranks}.")
         if self.init not in ("gate", "random"):
             raise ValueError(f"init must be 'gate' or 'random', got {self.init!r}.")
         if self.kind == "mlp" and self.init == "gate":
@@ -338,7 +344,7 @@ def fit(
         opt = torch.optim.Adam(predictor.parameters(), lr=lr)
         steps = epochs * ((x.shape[0] + batch_size - 1) // batch_size)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
-        weight = torch.tensor(pos_weight)
+        weight = torch.tensor(pos_weight, device=x.device)
         with torch.enable_grad():
             predictor.requires_grad_(True).train()
             for _ in range(epochs):
@@ -363,7 +369,7 @@ def predict_neurons(predictor: Predictor, x: Tensor) -> Tensor:
 @torch.no_grad()
 def predict_heads(predictor: Predictor, x: Tensor, keep: int) -> Tensor:
     """Predicted heads: the ``keep`` largest logits per token."""
-    return top_mask(predictor(x), 1 - keep / predictor.up.out_features)
+    return top_k_mask(predictor(x), keep)
 
 
 @dataclass
@@ -381,7 +387,8 @@ class Predictors:
     lookahead: bool = False
     heads: nn.ModuleList | None = None
     head_keep: int = 0
-    history: list[list[dict[str, float]]] = field(default_factory=list)  # sizes tried, per layer
+    # per layer, the sizes tried and their validation scores (the cutoffs were set on those tokens)
+    history: list[list[dict[str, float]]] = field(default_factory=list)
 
     @property
     def ranks(self) -> list[int]:
@@ -391,18 +398,48 @@ class Predictors:
         heads = sum(p.num_parameters() for p in self.heads) if self.heads is not None else 0
         return sum(p.num_parameters() for p in self.neurons) + heads
 
-    def parameter_share(self, model: Transformer) -> float:
-        """Predictor parameters as a share of the model's MLP parameters."""
+    def parameter_share(self, model: Transformer, heads: bool = False) -> float:
+        """Neuron predictors' parameters (with ``heads``, head predictors' too) over the MLPs'."""
         mlp = sum(
             m.weight.numel()
             for layer in model.layers
             for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
         )
-        return self.num_parameters() / mlp
+        count = sum(p.num_parameters() for p in self.neurons)
+        if heads and self.heads is not None:
+            count += sum(p.num_parameters() for p in self.heads)
+        return count / mlp
+
+    def source_layer(self, layer: int) -> int:
+        """The layer whose MLP input predictor ``layer`` reads (with look-ahead: the one before)."""
+        return layer - 1 if self.lookahead and layer > 0 else layer
 
     def neuron_input(self, records: Sequence[LayerRecord], layer: int) -> Tensor:
-        source = layer - 1 if self.lookahead and layer > 0 else layer
-        return records[source].mlp_in
+        return records[self.source_layer(layer)].mlp_in
+
+    def attach_heads(
+        self, model: Transformer, records: Sequence[LayerRecord], config: PredictorConfig
+    ) -> Predictors:
+        """Train head predictors keeping 1 - ``config.head_sparsity`` of the heads; in place.
+
+        Per layer, a ``config.head_rank`` network reads the attention input and is trained
+        (``config.head_epochs``, unweighted BCE: the labels are the top-k heads by output
+        norm, a balanced set) to rank the heads; the top ``head_keep`` logits are kept.
+        """
+        if not config.head_sparsity > 0:
+            raise ValueError(
+                "Set head_sparsity > 0 in the PredictorConfig to train head predictors."
+            )
+        c = model.config
+        self.head_keep = keep_count(c.n_heads, config.head_sparsity)
+        self.heads = nn.ModuleList()
+        for r in records:
+            y = top_k_mask(r.head_norms, self.head_keep)
+            p = init_random(Predictor(c.dim, config.head_rank, c.n_heads, config.kind), config.seed)
+            p.to(r.attn_in.device)
+            epochs, batch = config.head_epochs, config.batch_size
+            self.heads.append(fit(p, r.attn_in, y, epochs, batch, config.lr, 1.0, config.seed))
+        return self
 
     def evaluate(self, model: Transformer, windows: Tensor, batch_size: int = 4) -> dict[str, Any]:
         """Recall, precision and sparsity per layer on ``windows`` [n, seq] (dense inputs).
@@ -428,7 +465,7 @@ class Predictors:
             head_scores = [
                 confusion(
                     predict_heads(p, records[i].attn_in, self.head_keep),
-                    top_mask(records[i].head_norms, 1 - self.head_keep / p.up.out_features),
+                    top_k_mask(records[i].head_norms, self.head_keep),
                 )
                 for i, p in enumerate(self.heads)
             ]
@@ -449,6 +486,7 @@ class Predictors:
             "lookahead": self.lookahead,
             "head_keep": self.head_keep,
             "head_ranks": [p.rank for p in self.heads] if self.heads is not None else [],
+            "shape": model_shape(self.neurons, self.heads),
             "history": self.history,
         }
         path = Path(path)
@@ -469,6 +507,13 @@ class Predictors:
             raise ValueError(f"{path} is not a predictors file (no 'predictors' metadata).")
         meta = json.loads(raw)
         c = model.config
+        want = {"n_layers": c.n_layers, "dim": c.dim, "ffn_dim": c.ffn_dim, "n_heads": c.n_heads}
+        saved = meta.get("shape", {})
+        if any(saved.get(k, v) != v for k, v in want.items()) or len(meta["ranks"]) != c.n_layers:
+            raise ValueError(
+                f"{path} holds predictors for a model of shape {saved}, not this one ({want}); "
+                "train predictors for this model with train_predictors or `minisparse predictors`."
+            )
         neurons = nn.ModuleList(Predictor(c.dim, r, c.ffn_dim, meta["kind"]) for r in meta["ranks"])
         heads = None
         if meta["head_ranks"]:
@@ -483,12 +528,13 @@ class Predictors:
             heads.load_state_dict(
                 {k.removeprefix("heads."): v for k, v in tensors.items() if k.startswith("heads.")}
             )
+        device = model.device
         return cls(
-            neurons.requires_grad_(False),
+            neurons.requires_grad_(False).to(device),
             meta["thresholds"],
             meta["kind"],
             meta["lookahead"],
-            heads.requires_grad_(False) if heads is not None else None,
+            heads.requires_grad_(False).to(device) if heads is not None else None,
             meta["head_keep"],
             meta["history"],
         )
@@ -522,10 +568,24 @@ def build_predictor(
     if config.init == "gate" and directions is not None:
         init_compressed_gate(p, gate_weight, directions)
     else:
-        init_random(p, config.seed)
+        init_random(p, config.seed)  # seeded on the CPU, the same on every device
+    p.to(x.device)
     fit(p, x, y, config.epochs, config.batch_size, config.lr, config.pos_weight, config.seed)
     calibrate_cutoff(p, x_val, y_val, config.target_recall)
     return p, confusion(predict_neurons(p, x_val), y_val)
+
+
+def model_shape(neurons: nn.ModuleList, heads: nn.ModuleList | None) -> dict[str, int]:
+    """The model shape a set of predictors serves (stored with them, checked on load)."""
+    first = neurons[0]
+    shape = {
+        "n_layers": len(neurons),
+        "dim": first.down.in_features,
+        "ffn_dim": first.up.out_features,
+    }
+    if heads is not None:
+        shape["n_heads"] = heads[0].up.out_features
+    return shape
 
 
 def size_layer(
@@ -628,24 +688,8 @@ def fit_predictors(
         result.neurons.append(predictor)
         result.history.append(tried)
     if config.head_sparsity > 0:
-        result.heads = train_head_predictors(model, train, config)
-        result.head_keep = keep_count(model.config.n_heads, config.head_sparsity)
+        result.attach_heads(model, train, config)
     return result
-
-
-def train_head_predictors(
-    model: Transformer, records: Sequence[LayerRecord], config: PredictorConfig
-) -> nn.ModuleList:
-    """Per layer, a predictor of the top (1 - s) heads by output norm from the attention input."""
-    c = model.config
-    heads = nn.ModuleList()
-    for r in records:
-        y = top_mask(r.head_norms, config.head_sparsity)
-        p = init_random(Predictor(c.dim, config.head_rank, c.n_heads, config.kind), config.seed)
-        heads.append(
-            fit(p, r.attn_in, y, config.head_epochs, config.batch_size, 3e-3, 1.0, config.seed)
-        )
-    return heads
 
 
 @contextlib.contextmanager
@@ -675,7 +719,7 @@ def predicted_masks_applied(
 
     def mask_neurons(i: int):
         def hook(_m: nn.Module, _a: tuple, h: Tensor) -> Tensor:
-            source = mlp_in[i - 1] if predictors.lookahead and i > 0 else mlp_in[i]
+            source = mlp_in[predictors.source_layer(i)]
             predicted = predict_neurons(predictors.neurons[i], source)
             if mode == "true":
                 keep = h.abs() > predictors.thresholds[i]
@@ -712,9 +756,8 @@ def predicted_masks_applied(
 def keep_largest(scores: Tensor, counts: Tensor) -> Tensor:
     """Per row, a mask of the ``counts[row]`` largest entries of ``scores`` [..., n]."""
     order = scores.argsort(dim=-1, descending=True)
-    ranks = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(scores.shape[-1]).expand_as(order)
-    )
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(-1, order, positions)
     return ranks < counts[..., None]
 
 
@@ -736,7 +779,7 @@ def predicted_quality(
     density: dict[str, list[float]] = {m: [] for m in modes}
     for tokens in windows.split(batch_size):
         tokens = tokens.to(device)
-        logits, _ = record_scores(model, tokens)
+        logits = model(tokens)
         reference = logits[:, :-1].argmax(-1)
         tallies["dense"].add(logits, tokens, reference)
         for m in modes:
@@ -799,6 +842,5 @@ __all__ = [
     "principal_directions",
     "record_layers",
     "size_layer",
-    "train_head_predictors",
     "train_predictors",
 ]

@@ -7,8 +7,9 @@ import torch
 
 from conftest import tiny_model
 from minisparse import predictors as P
+from minisparse.hooks import capture_inputs, capture_outputs
 from minisparse.relufy import relufy
-from minisparse.sparse_mlp import MaskedMLP, SparseMLP
+from minisparse.sparse_mlp import MaskedMLP, SparseMLP, using_mlps
 
 
 def planted(seed: int, n: int = 3000, dim: int = 32, units: int = 48, rank: int = 4):
@@ -70,6 +71,17 @@ def test_cutoff_reaches_the_recall_target(recall):
     assert recall <= got <= recall + 1e-3
 
 
+@pytest.mark.parametrize("positives", [1, 3, 10, 19])
+def test_cutoff_keeps_the_target_with_few_positives(positives):
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(positives))
+    y = torch.zeros(40, 48, dtype=torch.bool)
+    y.view(-1)[torch.randperm(40 * 48, generator=torch.Generator().manual_seed(1))[:positives]] = (
+        True
+    )
+    p = P.calibrate_cutoff(P.init_random(P.Predictor(32, 4, 48), 0), x, y, 0.95)
+    assert P.confusion(P.predict_neurons(p, x), y).recall >= 0.95
+
+
 def test_keep_largest_matches_sorting():
     gen = torch.Generator().manual_seed(4)
     scores = torch.rand(6, 20, generator=gen)
@@ -119,7 +131,10 @@ def test_train_predictors_meets_the_target_and_sizes_by_the_ladder(trained):
         assert chosen == (min(enough) if enough else CONFIG.ranks[-1])
     result = predictors.evaluate(model, windows(3, 4))
     assert len(result["recall"]) == 3 and 0.5 < result["mean_recall"] <= 1.0
-    assert result["param_share"] == pytest.approx(predictors.num_parameters() / (3 * 3 * 40 * 70))
+    neuron_params = sum(p.num_parameters() for p in predictors.neurons)
+    assert result["param_share"] == pytest.approx(neuron_params / (3 * 3 * 40 * 70))
+    all_params = predictors.num_parameters() / (3 * 3 * 40 * 70)
+    assert predictors.parameter_share(model, heads=True) == pytest.approx(all_params)
 
 
 def test_evaluate_equals_direct_computation(trained):
@@ -158,6 +173,18 @@ def test_predicted_masks_equal_the_sparse_kernel_path(trained):
         keep = P.predict_neurons(predictors.neurons[i], x)
         with torch.no_grad():
             assert torch.allclose(sparse(x), MaskedMLP(layer.mlp, keep=keep)(x), atol=1e-5)
+    # the hooks of predicted_masks_applied against the kernels, for one decoded token
+    token = windows(14, 1, seq=1)
+    sparse = [
+        SparseMLP(layer.mlp, select=lambda v, i=i: predictors.select(i, v), backend="cpu")
+        for i, layer in enumerate(model.layers)
+    ]
+    with torch.no_grad():
+        with P.predicted_masks_applied(model, predictors, "predicted", heads=False):
+            hooked = model(token)
+        with using_mlps(model, sparse):
+            kernels = model(token)
+    assert torch.allclose(hooked, kernels, atol=1e-5)
     quality = P.predicted_quality(model, predictors, windows(8, 4), heads=True)
     assert quality["true"]["density"] < 1 and quality["dense"]["agreement"] == 1.0
     assert set(quality) == {"dense", "true", "predicted", "oracle"}
@@ -168,12 +195,21 @@ def test_save_load_round_trip(trained, tmp_path):
     path = predictors.save(tmp_path / "p.safetensors")
     loaded = P.Predictors.load(path, model)
     assert loaded.ranks == predictors.ranks and loaded.thresholds == predictors.thresholds
+    assert loaded.kind == predictors.kind and loaded.lookahead == predictors.lookahead
     assert loaded.head_keep == predictors.head_keep and loaded.history == predictors.history
     x = torch.randn(5, 40, generator=torch.Generator().manual_seed(9))
     for a, b in zip(predictors.neurons, loaded.neurons, strict=True):
         assert torch.equal(a(x), b(x)) and torch.equal(a.cutoff, b.cutoff)
     for a, b in zip(predictors.heads, loaded.heads, strict=True):
         assert torch.equal(a(x), b(x))
+    other = tiny_model(seed=0, std=0.2, n_layers=2, dim=40, n_heads=4, head_dim=10, ffn_dim=70)
+    with pytest.raises(ValueError, match="not this one"):
+        P.Predictors.load(path, other)
+    mlps = torch.nn.ModuleList(P.init_random(P.Predictor(40, 4, 70, "mlp"), i) for i in range(3))
+    ahead = P.Predictors(mlps, predictors.thresholds, "mlp", lookahead=True)
+    again = P.Predictors.load(ahead.save(tmp_path / "ahead.safetensors"), model)
+    assert again.kind == "mlp" and again.lookahead and again.heads is None
+    assert all(torch.equal(a(x), b(x)) for a, b in zip(mlps, again.neurons, strict=True))
 
 
 def test_lookahead_predictors_read_the_previous_layer():
@@ -187,6 +223,25 @@ def test_lookahead_predictors_read_the_previous_layer():
     assert predictors.neuron_input(records, 0) is records[0].mlp_in
     with pytest.raises(ValueError, match="previous layer"):
         predictors.select(1, records[1].mlp_in)
+    scores = predictors.score(model, records)
+    for i, p in enumerate(predictors.neurons):  # the direct computation, one layer behind
+        source = records[max(i - 1, 0)].mlp_in
+        want = P.confusion(P.predict_neurons(p, source), records[i].active)
+        assert scores["recall"][i] == want.recall and scores["precision"][i] == want.precision
+    # in the masked model, layer 2's mask comes from layer 1's MLP input of the same pass
+    mlps = {str(i): layer.mlp for i, layer in enumerate(model.layers)}
+    outs = {str(i): layer.mlp.down_in_act for i, layer in enumerate(model.layers)}
+    with torch.no_grad(), P.predicted_masks_applied(model, predictors):
+        with capture_inputs(mlps) as seen, capture_outputs(outs) as h:
+            model(windows(15, 2))
+    x1, x2, h2 = (
+        seen["1"][0].reshape(-1, 40),
+        seen["2"][0].reshape(-1, 40),
+        h["2"][0].reshape(-1, 70),
+    )
+    ahead, own = (P.predict_neurons(predictors.neurons[2], x) for x in (x1, x2))
+    assert not torch.equal(ahead, own)
+    assert (h2[~ahead] == 0).all() and (h2[ahead] != 0).any()
 
 
 def test_mlp_cost_by_hand(trained):
@@ -203,6 +258,8 @@ def test_bad_input_is_a_clear_error(tmp_path):
         P.PredictorConfig(kind="tree")
     with pytest.raises(ValueError, match="increasing"):
         P.PredictorConfig(ranks=(32, 16))
+    with pytest.raises(ValueError, match="not on the ladder"):
+        P.PredictorConfig(ranks=(16, 32), start_rank=24)
     with pytest.raises(ValueError, match="epochs >= 1"):
         P.PredictorConfig(kind="mlp", epochs=0)
     with pytest.raises(FileNotFoundError, match="train_predictors"):
