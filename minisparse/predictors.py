@@ -18,18 +18,22 @@ model. For the SiLU model, t_l is chapter 03's calibrated threshold (TEAL on ``d
 A head is active when its output norm is among the top k of its layer (DejaVu's head
 predictor); the predicted heads are the top k logits.
 
-**Training** (``train_predictors``): record x and the active sets on training text; fit each
-predictor with a weighted binary cross-entropy
+**Training** (``train_predictors``): record x and the active sets on training text. A low-rank
+predictor can start as the *compressed gate*: with B_r the top-r eigenvectors of E[g g^T],
+g = W_gate x, take U = B_r^T W_gate and V = B_r, the best rank-r approximation of g; for a ReLU
+model (active iff g_j > 0) this is already a predictor. Otherwise (or then) fit it with a
+weighted binary cross-entropy
 
     loss = -mean_j [ w y_j log sigmoid(z_j) + (1 - y_j) log(1 - sigmoid(z_j)) ]
 
 where w > 1 weighs a missed active neuron more than a false alarm: a miss changes the output,
-a false alarm only costs compute. **Adaptive size** (PowerInfer): per layer, start from a rank
-set by the layer's density, then go up the ladder of ranks while the recall on held-out tokens
-is below the target and down while it stays above; keep the smallest rank that meets it (or
-the largest tried). **Look-ahead**: predict layer l's set from layer l - 1's input, so the
-predictor can run one layer early, while layer l - 1 computes; the residual stream changes
-little between layers (chapter 05), at some cost in recall.
+a false alarm only costs compute. **Recall target**: each layer's cutoff is set on held-out
+tokens so that a share ``target_recall`` of the active neurons passes. **Adaptive size**
+(PowerInfer): a larger rank then buys precision, i.e. neurons skipped; per layer, walk a ladder
+of ranks from a start set by the layer's density and keep the smallest rank whose predicted
+sparsity reaches ``min_efficiency`` times the true sparsity. **Look-ahead**: predict layer l's
+set from layer l - 1's input, so the predictor can run one layer early, while layer l - 1
+computes; the residual stream changes little between layers (chapter 05), at some cost.
 
 **Scores**: recall = TP / (TP + FN) (share of active neurons predicted), precision =
 TP / (TP + FP), predicted sparsity = share of neurons predicted inactive.
