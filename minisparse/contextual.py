@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from .hooks import capture_inputs
 from .model import Transformer
 from .sparsity import check_sparsity, head_norms, record
 
@@ -57,30 +58,20 @@ class UnitScores:
 
 @torch.inference_mode()
 def record_scores(model: Transformer, tokens: Tensor) -> tuple[Tensor, UnitScores]:
-    """Pass 1: the dense logits of ``tokens`` [batch, seq] and every unit's score."""
+    """Pass 1: the dense logits of ``tokens`` [batch, seq] and every unit's score.
+
+    |h| is the down projection's input, the head norms come from the o projection's input.
+    """
     n_heads = model.config.n_heads
-    neurons: list[Tensor] = []
-    heads: list[Tensor] = []
-    handles = []
-    for layer in model.layers:
-        handles.append(
-            layer.mlp.down_in_act.register_forward_hook(
-                lambda _m, _a, out: neurons.append(out.detach().abs())
-            )
-        )
-        handles.append(
-            layer.attn.o_proj.register_forward_pre_hook(
-                lambda _m, args: heads.append(
-                    head_norms(args[0].detach(), n_heads).view(*args[0].shape[:-1], n_heads)
-                )
-            )
-        )
-    try:
+    downs = {str(i): layer.mlp.down_proj for i, layer in enumerate(model.layers)}
+    outs = {str(i): layer.attn.o_proj for i, layer in enumerate(model.layers)}
+
+    def per_head(x: Tensor) -> Tensor:
+        return head_norms(x, n_heads).view(*x.shape[:-1], n_heads)
+
+    with capture_inputs(downs, torch.abs) as h, capture_inputs(outs, per_head) as o:
         logits = model(tokens)
-    finally:
-        for h in handles:
-            h.remove()
-    return logits, UnitScores(neurons, heads)
+    return logits, UnitScores([h[k][0] for k in downs], [o[k][0] for k in outs])
 
 
 def keep_count(n: int, sparsity: float) -> int:
@@ -313,21 +304,12 @@ def layer_similarity(model: Transformer, tokens: Tensor) -> dict[str, list[float
     ``residual``: cos(x_l, x_{l+1}) of the residual stream entering layers l and l + 1;
     ``mlp_in``: the same for the normed MLP inputs, what a neuron predictor reads.
     """
-    stream: list[Tensor] = []
-    mlp_in: list[Tensor] = []
-    handles = [
-        layer.register_forward_pre_hook(lambda _m, args: stream.append(args[0].detach()))
-        for layer in model.layers
-    ]
-    handles += [
-        layer.mlp_in_act.register_forward_hook(lambda _m, _a, out: mlp_in.append(out.detach()))
-        for layer in model.layers
-    ]
-    try:
+    layers = {str(i): layer for i, layer in enumerate(model.layers)}
+    mlps = {str(i): layer.mlp for i, layer in enumerate(model.layers)}
+    with capture_inputs(layers) as x, capture_inputs(mlps) as m:
         model(tokens.to(next(model.parameters()).device))
-    finally:
-        for h in handles:
-            h.remove()
+    stream = [x[k][0] for k in layers]
+    mlp_in = [m[k][0] for k in mlps]
 
     def consecutive(xs: list[Tensor]) -> list[float]:
         return [float(F.cosine_similarity(a, b, dim=-1).mean()) for a, b in itertools.pairwise(xs)]

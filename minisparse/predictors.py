@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .contextual import Tally, drop_heads, keep_count, top_k_mask
+from .hooks import capture_inputs
 from .loading import save_tensors_atomic
 from .model import Transformer
 from .sparsity import calibrate_thresholds, check_sparsity, head_norms
@@ -219,39 +220,35 @@ def record_layers(
     progress: bool = False,
 ) -> list[LayerRecord]:
     """Run the dense model over ``windows`` [n, seq] and keep, per layer, inputs and sets."""
-    n_layers, n_heads = len(model.layers), model.config.n_heads
-    store: dict[str, list[list[Tensor]]] = {
-        k: [[] for _ in range(n_layers)] for k in ("mlp_in", "attn_in", "active", "heads")
-    }
-    handles = []
-    for i, layer in enumerate(model.layers):
+    n_heads = model.config.n_heads
+    layers = dict(enumerate(model.layers))
 
-        def keep(key: str, i: int = i):
-            return lambda x: store[key][i].append(x.detach().reshape(-1, x.shape[-1]))
+    def per_layer(module: str) -> dict[int, nn.Module]:
+        return {i: layer.get_submodule(module) for i, layer in layers.items()}
 
-        put_mlp, put_attn, put_active, put_heads = (
-            keep(k) for k in ("mlp_in", "attn_in", "active", "heads")
-        )
-        handles += [
-            layer.mlp.register_forward_pre_hook(lambda _m, a, f=put_mlp: f(a[0])),
-            layer.attn.register_forward_pre_hook(lambda _m, a, f=put_attn: f(a[0])),
-            layer.mlp.down_in_act.register_forward_hook(
-                lambda _m, _a, out, f=put_active, t=thresholds[i]: f(out.abs() > t)
-            ),
-            layer.attn.o_proj.register_forward_pre_hook(
-                lambda _m, a, f=put_heads: f(head_norms(a[0], n_heads))
-            ),
-        ]
+    def flat(x: Tensor) -> Tensor:
+        return x.reshape(-1, x.shape[-1])
+
     device = next(model.parameters()).device
-    try:
+    with contextlib.ExitStack() as stack:
+        mlp_in = stack.enter_context(capture_inputs(per_layer("mlp"), flat))
+        attn_in = stack.enter_context(capture_inputs(per_layer("attn"), flat))
+        heads = stack.enter_context(
+            capture_inputs(per_layer("attn.o_proj"), lambda x: head_norms(x, n_heads))
+        )
+        active = {  # the down projection's input h, thresholded per layer
+            i: stack.enter_context(
+                capture_inputs({i: layer.mlp.down_proj}, lambda h, t=t: flat(h.abs() > t))
+            )[i]
+            for (i, layer), t in zip(layers.items(), thresholds, strict=True)
+        }
         for chunk in tqdm(windows.split(batch_size), desc="recording", disable=not progress):
             model(chunk.to(device))
-    finally:
-        for h in handles:
-            h.remove()
     return [
-        LayerRecord(*(torch.cat(store[k][i]) for k in ("mlp_in", "attn_in", "active", "heads")))
-        for i in range(n_layers)
+        LayerRecord(
+            torch.cat(mlp_in[i]), torch.cat(attn_in[i]), torch.cat(active[i]), torch.cat(heads[i])
+        )
+        for i in layers
     ]
 
 
