@@ -8,8 +8,9 @@ Start with::
     print(tokenizer.decode(ids))
 """
 
+from .cache import cache_dir
 from .generate import generate
-from .loading import ModelLoadError, cache_dir, load
+from .loading import ModelLoadError, load
 from .model import ModelConfig, Transformer
 
 __version__ = "0.1.0"

@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .loading import save_tensors_atomic
+from .cache import save_tensors_atomic
 from .model import Transformer
 from .sparsity import recording
 

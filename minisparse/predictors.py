@@ -56,9 +56,9 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from .cache import save_tensors_atomic
 from .contextual import Tally, drop_heads, keep_count, top_k_mask
 from .hooks import capture_inputs
-from .loading import save_tensors_atomic
 from .model import Transformer
 from .sparsity import calibrate_thresholds, check_sparsity, head_norms
 

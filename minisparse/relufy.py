@@ -29,10 +29,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from .cache import cache_dir, save_tensors_atomic
 from .data import corpus, encode
 from .eval import windows
 from .finetune import FinetuneConfig, cpu_name, finetune, uses_bf16
-from .loading import cache_dir, save_tensors_atomic
 from .model import Transformer
 from .sparsity import measure
 

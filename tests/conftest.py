@@ -1,7 +1,16 @@
-"""Shared fixtures: the embedded model (loaded once), transformers' reference, tiny models."""
+"""Shared fixtures: the embedded model (loaded once), transformers' reference, tiny models.
+
+The whole session (unit tests and the notebooks nbval runs) uses a new, empty weight cache in a
+temporary folder: every run takes the first-load path a new user takes (GGUF through transformers,
+then the cache), and no test ever reads or writes the user's own cache. Set
+``MINISPARSE_TEST_CACHE`` to a folder to keep that cache between runs instead.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +24,21 @@ from minisparse.model import ModelConfig, Transformer, init_weights
 # Property tests draw the same examples on every run: a failure is reproducible, never luck.
 settings.register_profile("deterministic", derandomize=True, print_blob=True, deadline=None)
 settings.load_profile("deterministic")
+
+_SESSION_CACHE: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    keep = os.environ.get("MINISPARSE_TEST_CACHE")
+    path = keep or tempfile.mkdtemp(prefix="minisparse-test-cache-")
+    if not keep:
+        _SESSION_CACHE.append(path)
+    os.environ["MINISPARSE_CACHE"] = path  # inherited by subprocesses and notebook kernels
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _SESSION_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

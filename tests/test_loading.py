@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -88,7 +92,6 @@ def test_cuda_requested_but_absent(monkeypatch):
 
 
 def test_corrupt_weight_cache_is_rebuilt(tmp_path, monkeypatch, embedded):
-    model, _ = embedded
     source = loading.cache_dir() / loading.DEFAULT_MODEL
     assert (source / "model.safetensors").is_file()  # the session fixture built it
     monkeypatch.setenv("MINISPARSE_CACHE", str(tmp_path))
@@ -96,13 +99,22 @@ def test_corrupt_weight_cache_is_rebuilt(tmp_path, monkeypatch, embedded):
     shutil.copytree(source, target)
     weights = target / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1_000_000])  # truncated, as after a crash
+    # rebuilding means dequantizing the GGUF again; a tiny stand-in keeps the test fast
+    monkeypatch.setattr(loading, "hf_from_gguf", lambda path: tiny_hf_and_tokenizer(embedded[1]))
     with pytest.warns(UserWarning, match="corrupt"):
-        rebuilt, _ = load()
-    tokens = torch.arange(40)[None] * 7
-    with torch.no_grad():
-        assert torch.equal(rebuilt(tokens), model(tokens))
-    assert loading.load_cached(weights, {}) is not None  # the rewritten file is whole
+        rebuilt, _ = load(fast_decode=False)
+    assert rebuilt.config.dim == 32  # it was rebuilt from the source, not read from the stub
+    again = loading.load_cached(weights, {})  # the rewritten file is whole and equal
+    assert again is not None and torch.equal(again.embed.weight, rebuilt.embed.weight)
     assert not list(target.glob("*.tmp"))  # no temporary files left behind
+
+
+def test_reference_is_cached_as_transformers_wrote_it(embedded, hf_reference):
+    """The cached reference is transformers' own model: same weights, same class."""
+    fresh, _ = loading.hf_from_gguf(embedded_gguf_path())
+    cached = hf_reference.state_dict()
+    assert type(fresh) is type(hf_reference)
+    assert all(torch.equal(v, cached[k]) for k, v in fresh.state_dict().items())
 
 
 def test_cache_dir_override(monkeypatch, tmp_path):
@@ -113,4 +125,157 @@ def test_cache_dir_override(monkeypatch, tmp_path):
 def test_directory_without_tokenizer(tmp_path):
     save_tiny_hf(tmp_path, seed=33)
     with pytest.raises(ModelLoadError, match="no usable tokenizer"):
+        load(str(tmp_path))
+
+
+def test_import_failure_is_a_dependency_error_not_corruption(monkeypatch):
+    """A package that fails to import inside transformers is named, with its path and the fix."""
+    from transformers import AutoModelForCausalLM
+
+    def broken(*args, **kwargs):
+        raise ImportError(
+            "cannot import name 'CUDAProperties' from 'kernels'",
+            name="kernels",
+            path="/somewhere/kernels/__init__.py",
+        )
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", broken)
+    with pytest.raises(ModelLoadError) as err:
+        loading.hf_from_gguf(embedded_gguf_path())
+    message = str(err.value)
+    assert "'kernels'" in message and "/somewhere/kernels/__init__.py" in message
+    assert "pip install --upgrade kernels" in message and "corrupt" not in message
+
+
+def test_valid_gguf_passes_the_header_check():
+    loading.check_gguf(embedded_gguf_path())  # raises on a corrupt file
+
+
+def test_fingerprint_is_content_not_modification_time(tmp_path):
+    src = embedded_gguf_path()
+    head = src.read_bytes()[: 3 * 2**20]
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(head)
+    b.write_bytes(head)
+    os.utime(b, (1, 1))
+    assert loading.fingerprint(a) == loading.fingerprint(b)
+    changed = bytearray(head)
+    changed[1000] ^= 1
+    b.write_bytes(bytes(changed))
+    assert loading.fingerprint(a) != loading.fingerprint(b)
+
+
+def tiny_hf_and_tokenizer(embedded_tokenizer):
+    """Stands in for dequantizing the GGUF: a tiny transformers model and the real tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return LlamaForCausalLM(config).eval(), embedded_tokenizer
+
+
+def test_damaged_tokenizer_cache_is_rebuilt_without_dequantizing(tmp_path, monkeypatch, embedded):
+    _, tokenizer = embedded
+    source = loading.cache_dir() / loading.DEFAULT_MODEL
+    monkeypatch.setenv("MINISPARSE_CACHE", str(tmp_path))
+    target = tmp_path / loading.DEFAULT_MODEL
+    shutil.copytree(source, target)
+    (target / "tokenizer" / "tokenizer.json").write_text('{"truncated": ')
+
+    def must_not_dequantize(path):
+        raise AssertionError("the weights were valid: nothing should be dequantized")
+
+    monkeypatch.setattr(loading, "hf_from_gguf", must_not_dequantize)
+    with pytest.warns(UserWarning, match="tokenizer cache .* damaged"):
+        _, rebuilt = load()
+    assert (
+        rebuilt("def f(x): return x")["input_ids"] == tokenizer("def f(x): return x")["input_ids"]
+    )
+    assert loading.cached_tokenizer(target / "tokenizer") is not None  # whole again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second load finds everything valid
+        load()
+
+
+def test_unwritable_cache_warns_and_returns_the_model(tmp_path, monkeypatch, embedded):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MINISPARSE_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(loading, "hf_from_gguf", lambda path: tiny_hf_and_tokenizer(embedded[1]))
+    with pytest.warns(UserWarning, match="Could not write the weights"):
+        model, _ = load()
+    assert model.config.dim == 32 and model.config.n_layers == 1
+
+
+CONCURRENT_LOAD = """
+import sys, time, pathlib, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from minisparse import loading
+log = pathlib.Path(sys.argv[1])
+
+def slow_tiny_build(path):
+    with open(log, "a") as f:
+        f.write("built\\n")
+    time.sleep(1.0)  # long enough for the other process to arrive while this one builds
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    return LlamaForCausalLM(config).eval(), loading.tokenizer_from_gguf(path)
+
+loading.hf_from_gguf = slow_tiny_build
+model, _ = loading.load(fast_decode=False)
+print(float(model.embed.weight.sum()))
+"""
+
+
+def test_two_first_loads_at_once_build_the_cache_once(tmp_path):
+    log = tmp_path / "builds.log"
+    env = {**os.environ, "MINISPARSE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT_LOAD, str(log)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in outputs]
+    assert log.read_text().count("built") == 1
+    assert outputs[0][0] == outputs[1][0]  # both got the same weights
+    weights = tmp_path / "cache" / loading.DEFAULT_MODEL / "model.safetensors"
+    assert loading.load_cached(weights, {}) is not None
+    assert not list(weights.parent.glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "match"),
+    [
+        ("", torch.float32, "name_or_path must be"),
+        (None, torch.float32, "name_or_path must be"),
+        ("smollm2-135m", torch.int8, "floating-point"),
+        ("./missing_dir/", torch.float32, "does not exist"),
+        ("model.safetensors", torch.float32, "single file"),
+    ],
+)
+def test_bad_load_arguments_are_refused_before_any_work(name, dtype, match, monkeypatch):
+    monkeypatch.setattr(loading, "load_embedded", lambda: pytest.fail("should not load"))
+    with pytest.raises(ModelLoadError, match=match):
+        load(name, dtype=dtype)
+
+
+def test_truncated_safetensors_in_a_directory(tmp_path):
+    save_tiny_hf(tmp_path, seed=34)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
         load(str(tmp_path))

@@ -162,7 +162,7 @@ MADV_HUGEPAGE = 14
 
 def cache_dir() -> Path:
     """Where compiled kernels live: ``cpu_kernels`` in minisparse's cache directory."""
-    from ..loading import cache_dir as minisparse_cache_dir
+    from ..cache import cache_dir as minisparse_cache_dir
 
     return minisparse_cache_dir() / "cpu_kernels"
 

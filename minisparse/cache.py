@@ -1,0 +1,60 @@
+"""minisparse's cache directory and the atomic writes that fill it.
+
+Everything the library computes once and reuses lives under one folder: the dequantized
+weights of a model, its tokenizer, compiled CPU kernels, fine-tuned ReLU models, predictors.
+``MINISPARSE_CACHE`` moves it (tests point it at a temporary folder); otherwise it is
+``$XDG_CACHE_HOME/minisparse`` or ``~/.cache/minisparse``.
+
+Every file is written under a temporary name in the same folder and renamed into place
+(``os.replace`` is atomic on one file system), so an interrupted write, or two processes
+writing at once, never leave half a file under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def cache_dir() -> Path:
+    """Root of minisparse's cache: $MINISPARSE_CACHE, else $XDG_CACHE_HOME/minisparse."""
+    env = os.environ.get("MINISPARSE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "minisparse"
+
+
+def save_tensors_atomic(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
+) -> None:
+    """safetensors file written to a temporary name, then renamed: never half a file at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_dir_atomic(directory: Path, write: Callable[[Path], None]) -> None:
+    """Fill a temporary folder with ``write(folder)``, then rename it to ``directory``."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, suffix=".tmp"))
+    try:
+        write(tmp)
+        if directory.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
