@@ -107,6 +107,7 @@ def relufy_and_finetune(
     root: Path | None = None,
     resume: bool = True,
     progress: bool = True,
+    measured: dict[str, dict[str, float]] | None = None,
 ) -> tuple[Transformer, dict[str, Any]]:
     """ReLUfy ``base``, fine-tune it by distillation on the train text, save it; (model, report).
 
@@ -114,6 +115,8 @@ def relufy_and_finetune(
     sparsity, the fine-tuning history (every ``config.eval_every`` steps), the result and the
     wall time. The fine-tuned weights go to ``result_dir(stage, config.trainable, root)``
     (``load_relufied`` reads them); its checkpoint makes an interrupted run resumable.
+    ``measured`` may hold the ``"dense"`` and ``"swapped"`` results of ``sparsity.measure`` on
+    the same ``eval_tokens`` when the caller already has them; they are not measured again.
     """
     train = windows(encode(tokenizer, corpus(split="train")), seq_len)
     eval_ids = encode(tokenizer, corpus(split="eval"))[:eval_tokens]
@@ -124,9 +127,9 @@ def relufy_and_finetune(
         "train_tokens_per_step": config.batch_size * seq_len,
         "train_windows": train.shape[0],
         "eval_tokens": eval_ids.numel(),
-        "dense": measure(base, eval_ids),
-        "swapped": measure(student, eval_ids),
     }
+    for name, model in (("dense", base), ("swapped", student)):
+        report[name] = (measured or {}).get(name) or measure(model, eval_ids)
     out = result_dir(stage, config.trainable, root)
     result = finetune(
         student,

@@ -335,6 +335,23 @@ def calibrate_thresholds(
     sparsity = check_sparsity(sparsity)
     sites = check_sites(sites, tuple(SLOTS))
     stats = record(model, token_batches, sites, batch_size=batch_size, progress=progress)
+    return thresholds_at(stats, sparsity, sites)
+
+
+def thresholds_at(stats: SparsityStats, sparsity: float, sites: Sequence[str]) -> Thresholds:
+    """The thresholds ``calibrate_thresholds`` returns, from statistics already recorded.
+
+    One ``record`` over the calibration text serves every target sparsity and every site it
+    holds: each threshold is a quantile of the same histograms.
+    """
+    sparsity = check_sparsity(sparsity)
+    sites = check_sites(sites, tuple(SLOTS))
+    missing = [site for site in sites if site not in stats.sites]
+    if missing:
+        raise ValueError(
+            f"These statistics hold no site {missing}; record them with "
+            f"record(model, batches, sites={tuple(sites)!r})."
+        )
     return {site: stats.quantiles(site, sparsity) for site in sites}
 
 
@@ -492,5 +509,6 @@ __all__ = [
     "remove_thresholds",
     "savings",
     "thresholds_applied",
+    "thresholds_at",
     "top_share",
 ]

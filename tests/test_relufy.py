@@ -169,3 +169,39 @@ def test_bf16_autocast_is_used_only_where_the_hardware_has_it(monkeypatch, flags
     assert F.autocast(F.FinetuneConfig(), cpu)._enabled is native
     assert F.autocast(F.FinetuneConfig(bf16=True), cpu)._enabled
     assert not F.autocast(F.FinetuneConfig(bf16=False), cpu)._enabled
+
+
+def test_relufy_and_finetune_reuses_given_measurements(tmp_path, monkeypatch):
+    """Measurements the caller already has are reported as given, and not taken again."""
+    from minisparse import relufy as R
+
+    calls = []
+
+    def fake_measure(model, ids):
+        calls.append(relufied_stage(model))
+        return {"ppl": float(len(calls))}
+
+    monkeypatch.setattr(R, "corpus", lambda split: split)
+    monkeypatch.setattr(R, "encode", lambda tokenizer, text: batches(7, n=40, seq=16).view(-1))
+    monkeypatch.setattr(R, "measure", fake_measure)
+    config = F.FinetuneConfig(steps=2, batch_size=2, lr=1e-3, warmup=1, bf16=False)
+    dense = {"ppl": 123.0}
+    _, report = R.relufy_and_finetune(
+        tiny(),
+        None,
+        1,
+        config,
+        seq_len=16,
+        eval_tokens=64,
+        root=tmp_path,
+        progress=False,
+        measured={"dense": dense},
+    )
+    assert report["dense"] is dense
+    assert calls[0] == 1  # only the swapped model was measured before training
+    assert report["swapped"] == {"ppl": 1.0}
+    before = len(calls)
+    R.relufy_and_finetune(
+        tiny(), None, 1, config, seq_len=16, eval_tokens=64, root=tmp_path / "b", progress=False
+    )
+    assert calls[before : before + 2] == [0, 1]  # without them: the dense model, then the swapped

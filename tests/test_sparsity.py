@@ -143,6 +143,19 @@ def test_calibrated_thresholds_hit_target_on_held_out_tokens_and_are_reversible(
     assert not any(isinstance(m, S.MagnitudeThreshold) for m in model.modules())
 
 
+def test_thresholds_from_one_recording_equal_calibrating_each_site_and_level():
+    model = tiny(7)
+    calib = tokens(8, (16, 16))
+    all_sites = ("attn_in", "mlp_in", "mlp_act", "down_in")
+    stats = S.record(model, calib, sites=all_sites, progress=False)
+    for sparsity, sites in ((0.3, ("down_in",)), (0.7, ("attn_in", "mlp_in")), (0.5, all_sites)):
+        expected = S.calibrate_thresholds(model, calib, sparsity, sites=sites, progress=False)
+        assert S.thresholds_at(stats, sparsity, sites) == expected
+    only_down = S.record(model, calib, sites=("down_in",), progress=False)
+    with pytest.raises(ValueError, match="no site"):
+        S.thresholds_at(only_down, 0.5, ("mlp_act",))
+
+
 def test_thresholds_wrap_the_existing_activation():
     model = relufy(tiny(), 1)
     S.apply_thresholds(model, {"mlp_act": [0.1, 0.1, 0.1]})
