@@ -68,6 +68,8 @@ def test_tiny_configs_match_transformers(shape):
 
 
 def test_embedded_model_matches_transformers(embedded, hf_reference):
+    """minisparse's model (converted from transformers' dequantized GGUF) against transformers'
+    model as the cache kept it: a fault in either conversion or in the cached reference fails."""
     model, tokenizer = embedded
     from minisparse.data import corpus, token_batches
 
