@@ -82,48 +82,22 @@ def test_no_top_level_kernels_package_in_the_checkout():
     assert (ROOT / "minisparse" / "kernels" / "__init__.py").is_file()
 
 
+def pip(*args: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", *args, "-q"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_wheel_ships_minisparse_kernels_and_no_top_level_kernels(tmp_path):
     """Build the wheel, install it into a bare folder and import the kernels from there."""
     wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(wheel_dir),
-            str(ROOT),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stderr[-2000:]
+    pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(ROOT))
     (wheel,) = wheel_dir.glob("minisparse-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "minisparse/kernels/__init__.py" in names and "minisparse/kernels/cpu.py" in names
     assert not [n for n in names if n.startswith("kernels/")]
-    install = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "-q",
-            "--target",
-            str(target),
-            str(wheel),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert install.returncode == 0, install.stderr[-2000:]
+    pip("install", "--no-deps", "--target", str(target), str(wheel))
     code = (
         "import minisparse.kernels, pathlib, sys\n"
         "from minisparse.kernels import cpu, gather_gemv_ref, sparse_ffn_ref\n"
