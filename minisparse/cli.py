@@ -7,6 +7,11 @@ minisparse bench decode                  minisparse vs transformers decode speed
 minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
 minisparse relufy --stage 1 --steps 200  ReLUfy and fine-tune by distillation (chapter 04)
 minisparse predictors                    train sparsity predictors and save them (chapter 06)
+
+Every command checks its arguments before it loads a model. A mistake in them (or a model that
+cannot be loaded) prints one line, "error: ...", that says what to change, and exits with
+status 2; anything else is a bug and prints Python's full traceback. ``--debug`` shows the
+traceback for every error.
 """
 
 from __future__ import annotations
@@ -14,10 +19,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import torch
+
+from .generate import check_messages, check_sampling, check_seed
+from .loading import ModelLoadError, resolve_device
+from .model import check_count
+from .sparsity import check_sparsity
+
+#: Errors that mean "the user asked for something that cannot work"; the message says the fix.
+USER_ERRORS = (ModelLoadError, ValueError, FileNotFoundError)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +47,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .loading import cache_dir, load
     from .tour import describe
 
+    resolve_device(args.device)
     model, _ = load(args.model, device=args.device)
     print(
         f"model:  {args.model}\nshape:  {describe(model)}\ndevice: {model.device}\n"
@@ -41,18 +56,47 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_output_path(path: str | Path, option: str) -> Path:
+    """A file we will write: not a directory, in a folder that exists or can be made, writable."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise ValueError(f"{option} {out} is a directory; give a file name, e.g. {out / 'x'}.")
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"{option} {out}: cannot write in {folder}; choose another place.")
+    return out
+
+
+def check_generate_arguments(args: argparse.Namespace) -> None:
+    """``minisparse generate``'s options, before the model loads."""
+    if not args.prompt.strip():
+        raise ValueError('The prompt is empty; write some text, e.g. minisparse generate "Hello".')
+    if args.chat:
+        check_messages([{"role": "user", "content": args.prompt}])
+    check_count(args.max_new_tokens, "--max-new-tokens")
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    check_seed(args.seed)
+    resolve_device(args.device)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import generate
+    from .generate import check_length, check_prompt_ids, encode_prompt, generate
     from .loading import load
 
+    check_generate_arguments(args)
     model, tokenizer = load(args.model, device=args.device)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    ids = encode_prompt(tokenizer, prompt)
+    check_prompt_ids(ids, model.config.vocab_size)
+    check_length(model, len(ids), args.max_new_tokens)  # refused before the prompt is echoed
     if not args.chat:
         print(args.prompt, end="", flush=True)
     generate(
         model,
         tokenizer,
-        prompt,
+        ids,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -66,10 +110,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_tour(args: argparse.Namespace) -> int:
     import matplotlib
 
-    matplotlib.use("Agg")
-    from .tour import run_tour
+    matplotlib.use("Agg")  # before the tour's plotting modules import pyplot
+    from .tour import figure_path, run_tour
 
-    run_tour(out=Path(args.out))
+    run_tour(out=check_output_path(figure_path(args.out), "--out"))
     return 0
 
 
@@ -78,6 +122,11 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     from .loading import load, load_hf_reference
     from .model import use_output_major_weights, use_streaming_gemv
 
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty; give some text to decode after.")
+    check_count(args.max_new_tokens, "--max-new-tokens")
+    check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")
+    resolve_device(args.device)
     model, tokenizer = load(args.model, device=args.device)
     print("loading transformers' own model for the same checkpoint ...", flush=True)
     hf_model, _ = load_hf_reference(args.model)
@@ -114,10 +163,13 @@ def cmd_relufy(args: argparse.Namespace) -> int:
 
     from .finetune import FinetuneConfig
     from .loading import load
-    from .relufy import relufy_and_finetune, result_dir
+    from .relufy import EVAL_WINDOW, check_relufy_arguments, relufy_and_finetune, result_dir
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_count(args.threads, "--threads", minimum=0, fix="0 keeps torch's default")
+    check_relufy_arguments(args.stage, args.seq_len, args.eval_tokens, EVAL_WINDOW)
+    if args.out:
+        check_output_path(args.out, "--out")
+    resolve_device(args.device)
     config = FinetuneConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -129,6 +181,8 @@ def cmd_relufy(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         bf16={"auto": None, "on": True, "off": False}[args.bf16],
     )
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, device=args.device)
     _, report = relufy_and_finetune(
         model,
@@ -166,18 +220,28 @@ def cmd_predictors(args: argparse.Namespace) -> int:
     from .loading import cache_dir, load
     from .predictors import PredictorConfig, prediction_target, train_predictors
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    base, tokenizer = load(args.model, device=args.device)
-    calibration = token_batches(tokenizer, corpus(split="calib"), args.seq_len, args.val_windows)
-    target = prediction_target(base, calibration, sparsity=args.silu_sparsity)
-    print(f"model: {target.description}", flush=True)
+    check_count(args.threads, "--threads", minimum=0, fix="0 keeps torch's default")
+    check_count(args.windows, "--windows")
+    check_count(args.val_windows, "--val-windows")
+    check_count(args.seq_len, "--seq-len", minimum=2)
+    check_count(args.eval_tokens, "--eval-tokens", minimum=args.seq_len, fix="one --seq-len window")
+    check_sparsity(args.silu_sparsity)
     config = PredictorConfig(
         kind=args.kind,
         target_recall=args.target_recall,
         lookahead=args.lookahead,
         head_sparsity=args.head_sparsity,
     )
+    for option in (args.out, args.report):
+        if option:
+            check_output_path(option, "--out/--report")
+    resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base, tokenizer = load(args.model, device=args.device)
+    calibration = token_batches(tokenizer, corpus(split="calib"), args.seq_len, args.val_windows)
+    target = prediction_target(base, calibration, sparsity=args.silu_sparsity)
+    print(f"model: {target.description}", flush=True)
     train = token_batches(tokenizer, corpus(split="train"), args.seq_len, args.windows)
     predictors = train_predictors(
         target.model, train, thresholds=target.thresholds, validation=calibration, config=config
@@ -212,17 +276,26 @@ CHAPTER_BENCHMARKS = {
 }
 
 
+DEBUG_HELP = "show the full traceback of every error (default: one line for known mistakes)"
+
+
 def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minisparse", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    # --debug after the command too; SUPPRESS leaves the top-level value alone when absent
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("info", help="model shape, parameter count, cache location")
+    p = sub.add_parser(
+        "info", help="model shape, parameter count, cache location", parents=[common]
+    )
     add_model_arguments(p)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("generate", help="stream a continuation of a prompt")
+    p = sub.add_parser("generate", help="stream a continuation of a prompt", parents=[common])
     add_model_arguments(p)
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -233,11 +306,17 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("tour", help="a five-minute tour of the real model")
-    p.add_argument("--out", default="minisparse-tour.png", help="where to save the figure")
+    p = sub.add_parser("tour", help="a five-minute tour of the real model", parents=[common])
+    p.add_argument(
+        "--out",
+        default=None,
+        help="where to save the figure (default: minisparse-tour.png in the cache folder)",
+    )
     p.set_defaults(func=cmd_tour)
 
-    p = sub.add_parser("relufy", help="ReLUfy the model and fine-tune it by distillation")
+    p = sub.add_parser(
+        "relufy", help="ReLUfy the model and fine-tune it by distillation", parents=[common]
+    )
     add_model_arguments(p)
     p.add_argument("--stage", type=int, default=1, choices=(1, 2))
     p.add_argument("--steps", type=int, default=300)
@@ -262,7 +341,9 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.set_defaults(func=cmd_relufy)
 
-    p = sub.add_parser("predictors", help="train per-layer sparsity predictors and save them")
+    p = sub.add_parser(
+        "predictors", help="train per-layer sparsity predictors and save them", parents=[common]
+    )
     add_model_arguments(p)
     p.add_argument("--kind", default="lowrank", choices=("lowrank", "mlp"))
     p.add_argument("--target-recall", type=float, default=0.95)
@@ -283,8 +364,11 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--report", default=None, help="write the held-out scores as JSON here")
     p.set_defaults(func=cmd_predictors)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("decode", help="greedy decode tokens/s: minisparse vs transformers")
+    bench = sub.add_parser("bench", help="benchmarks", parents=[common])
+    bench = bench.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser(
+        "decode", help="greedy decode tokens/s: minisparse vs transformers", parents=[common]
+    )
     add_model_arguments(p)
     p.add_argument("--prompt", default="The Python language reference describes the syntax and")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -296,21 +380,25 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
             if importlib.util.find_spec(f"minisparse.{module_name}") is None:
                 continue
             module = importlib.import_module(f"minisparse.{module_name}")
-            p = bench.add_parser(name, help=help_text)
+            p = bench.add_parser(name, help=help_text, parents=[common])
             module.add_arguments(p)
             p.set_defaults(func=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; 0 on success, 2 for a user error (one line on stderr).
+
+    Any other exception propagates with its full traceback: it is a bug to report.
+    """
     words = sys.argv[1:] if argv is None else argv
     args = build_parser(with_chapter_benchmarks="bench" in words).parse_args(argv)
     args.argv = words
-    from .loading import ModelLoadError
-
     try:
         return int(args.func(args) or 0)
-    except (ModelLoadError, ValueError, TypeError, RuntimeError, OSError) as err:
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
         print(f"error: {err}", file=sys.stderr)
         return 2
 

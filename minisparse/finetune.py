@@ -13,7 +13,8 @@ few hundred thousand tokens on a CPU worth something.
 What trains (``trainable``): ``"mlp"`` (gate/up/down weights only), ``"all"``, or ``"lora"``:
 every projection W of the blocks gets a low-rank update, W x + (alpha / r) B A x with
 A [r, in], B [out, r], B = 0 at the start (Hu et al. 2021); only A and B train, and
-``merge_lora`` folds B A into W afterwards.
+``merge_lora_`` folds B A into W afterwards. Functions whose name ends in ``_`` change the model
+they are given (``finetune_`` trains the student in place).
 
 Optimiser: AdamW, learning rate warmed up linearly for ``warmup`` steps, then cosine decay to
 ``min_lr_ratio`` of the peak. ``torch.autocast`` to bf16 (weights and optimiser state stay
@@ -45,7 +46,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .cache import save_tensors_atomic
-from .model import Transformer
+from .model import Transformer, check_count
 from .sparsity import recording
 
 TRAINABLE = ("mlp", "all", "lora")
@@ -76,10 +77,35 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         if self.trainable not in TRAINABLE:
             raise ValueError(f"trainable must be one of {TRAINABLE}, got {self.trainable!r}.")
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError("steps and batch_size must be >= 1.")
-        if not 0.0 <= self.kd_weight <= 1.0:
-            raise ValueError(f"kd_weight must be in [0, 1], got {self.kd_weight}.")
+        for name in ("steps", "batch_size", "lora_rank", "checkpoint_every"):
+            check_count(getattr(self, name), name)
+        for name in ("warmup", "eval_every", "seed"):
+            check_count(getattr(self, name), name, minimum=0)
+        for name, example in (("lr", "3e-4"), ("lora_alpha", "32"), ("temperature", "1.0")):
+            check_positive(getattr(self, name), name, example)
+        check_positive(self.grad_clip, "grad_clip", "1.0")
+        check_fraction(self.kd_weight, "kd_weight")
+        check_fraction(self.min_lr_ratio, "min_lr_ratio")
+        if not self.weight_decay >= 0 or not math.isfinite(self.weight_decay):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}.")
+        if self.bf16 not in (None, True, False):
+            raise ValueError(f"bf16 must be None (automatic), True or False, got {self.bf16!r}.")
+
+
+def check_positive(value: float, name: str, example: str) -> float:
+    """A finite number > 0 (a learning rate, a scale), else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number > 0 (e.g. {example}), got {value!r}.")
+    if not 0 < value < math.inf:  # False for NaN
+        raise ValueError(f"{name} must be a finite number > 0 (e.g. {example}), got {value}.")
+    return float(value)
+
+
+def check_fraction(value: float, name: str) -> float:
+    """A number in [0, 1], else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
+    return float(value)
 
 
 def lr_at(step: int, config: FinetuneConfig) -> float:
@@ -114,34 +140,53 @@ class LoRALinear(nn.Module):
         return self.base
 
 
-def add_lora(model: Transformer, rank: int, alpha: float, seed: int = 0) -> None:
-    """Wrap every block projection in a ``LoRALinear``, in place."""
+def add_lora_(model: Transformer, rank: int, alpha: float, seed: int = 0) -> Transformer:
+    """Wrap every block projection in a ``LoRALinear``; in place, returns ``model``."""
+    check_count(rank, "rank", fix="LoRA commonly uses 8 or 16")
+    check_positive(alpha, "alpha", "32")
     for i, layer in enumerate(model.layers):
         for owner in (layer.attn, layer.mlp):
             for j, name in enumerate(n for n in LORA_TARGETS if hasattr(owner, n)):
                 base = getattr(owner, name)
                 setattr(owner, name, LoRALinear(base, rank, alpha, seed=seed + 100 * i + j))
+    return model
 
 
-def merge_lora(model: Transformer) -> list[str]:
-    """Fold every ``LoRALinear`` back into a plain linear, in place; return the weights' names."""
-    names = []
-    for i, layer in enumerate(model.layers):
-        for part, owner in (("attn", layer.attn), ("mlp", layer.mlp)):
+def lora_weight_names(model: Transformer) -> list[str]:
+    """Names of the base weights wrapped by a ``LoRALinear`` (as they read after merging)."""
+    return [
+        f"layers.{i}.{part}.{name}.weight"
+        for i, layer in enumerate(model.layers)
+        for part, owner in (("attn", layer.attn), ("mlp", layer.mlp))
+        for name in LORA_TARGETS
+        if isinstance(getattr(owner, name, None), LoRALinear)
+    ]
+
+
+def merge_lora_(model: Transformer) -> Transformer:
+    """Fold every ``LoRALinear`` back into a plain linear; in place, returns ``model``."""
+    for layer in model.layers:
+        for owner in (layer.attn, layer.mlp):
             for name in LORA_TARGETS:
                 module = getattr(owner, name, None)
                 if isinstance(module, LoRALinear):
                     setattr(owner, name, module.merged())
-                    names.append(f"layers.{i}.{part}.{name}.weight")
+    return model
+
+
+def merge_lora(model: Transformer) -> list[str]:
+    """The name before the in-place convention: ``merge_lora_``, returning the merged names."""
+    names = lora_weight_names(model)
+    merge_lora_(model)
     return names
 
 
-def select_trainable(model: Transformer, config: FinetuneConfig) -> dict[str, nn.Parameter]:
-    """Freeze everything, then unfreeze (or add, for LoRA) the trainable set; name -> parameter."""
+def select_trainable_(model: Transformer, config: FinetuneConfig) -> Transformer:
+    """Freeze everything, then unfreeze (or add, for LoRA) the trainable set; in place."""
     for p in model.parameters():
         p.requires_grad_(False)
     if config.trainable == "lora":
-        add_lora(model, config.lora_rank, config.lora_alpha, seed=config.seed)
+        add_lora_(model, config.lora_rank, config.lora_alpha, seed=config.seed)
     for name, p in model.named_parameters():
         wanted = {
             "mlp": ".mlp." in name,
@@ -149,6 +194,11 @@ def select_trainable(model: Transformer, config: FinetuneConfig) -> dict[str, nn
             "lora": name.endswith((".A", ".B")),
         }[config.trainable]
         p.requires_grad_(wanted)
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Name -> parameter for every parameter that requires a gradient."""
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -285,7 +335,7 @@ def load_checkpoint(
     return int(meta["step"]), json.loads(meta["history"])
 
 
-def finetune(
+def finetune_(
     student: Transformer,
     teacher: nn.Module,
     train_batches: Tensor,
@@ -296,7 +346,9 @@ def finetune(
     progress: bool = True,
     until: int | None = None,
 ) -> FinetuneResult:
-    """Train ``student`` (in place) to match ``teacher`` on ``train_batches`` [n, seq].
+    """Train ``student`` in place to match ``teacher`` on ``train_batches`` [n, seq].
+
+    Returns a ``FinetuneResult`` whose ``model`` is ``student`` itself (LoRA merged into it).
 
     ``until`` stops after that many steps (a time budget); the schedule still spans
     ``config.steps``, and a later call with the same checkpoint directory resumes from there.
@@ -307,7 +359,10 @@ def finetune(
     """
     device = next(student.parameters()).device
     teacher.eval()
-    params = select_trainable(student, config)
+    check_train_batches(train_batches, student.config.vocab_size)
+    if until is not None:
+        check_count(until, "until")
+    params = trainable_parameters(select_trainable_(student, config))
     optimizer = torch.optim.AdamW(
         params.values(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
     )
@@ -366,6 +421,30 @@ def finetune(
     return FinetuneResult(student, trained, history, time.perf_counter() - t0)
 
 
+def check_train_batches(batches: Tensor, vocab_size: int) -> None:
+    """Training windows: token ids [n, seq] with n >= 1 and seq >= 2, inside the vocabulary."""
+    if not isinstance(batches, Tensor) or batches.dim() != 2 or batches.shape[1] < 2:
+        shape = tuple(batches.shape) if isinstance(batches, Tensor) else type(batches).__name__
+        raise ValueError(
+            f"train_batches must be token ids [n, seq] with seq >= 2, got {shape}; build them "
+            "with minisparse.eval.windows(ids, seq_len)."
+        )
+    if batches.shape[0] < 1:
+        raise ValueError("train_batches holds no window; give more text or a shorter seq_len.")
+    ids_ok = not batches.dtype.is_floating_point and batches.dtype != torch.bool
+    if not ids_ok or int(batches.min()) < 0 or int(batches.max()) >= vocab_size:
+        raise ValueError(
+            f"train_batches must hold token ids in 0 .. {vocab_size - 1} (torch.long); encode "
+            "the text with this model's tokenizer."
+        )
+
+
+# The names before the in-place convention (a trailing underscore), kept for existing code.
+add_lora = add_lora_
+select_trainable = select_trainable_
+finetune = finetune_
+
+
 def iter_history(history: list[dict[str, float]], key: str) -> Iterator[tuple[float, float]]:
     """(step, value) pairs of the history entries that have ``key``."""
     return ((h["step"], h[key]) for h in history if key in h)
@@ -376,13 +455,19 @@ __all__ = [
     "FinetuneResult",
     "LoRALinear",
     "add_lora",
+    "add_lora_",
     "cpu_info",
     "cpu_name",
     "distillation_loss",
     "finetune",
+    "finetune_",
     "iter_history",
+    "lora_weight_names",
     "lr_at",
     "merge_lora",
+    "merge_lora_",
     "native_bf16",
+    "select_trainable_",
+    "trainable_parameters",
     "uses_bf16",
 ]

@@ -11,11 +11,19 @@ without one (``use_cache=False``) every step recomputes the whole sequence (O(t^
 the reference the cache is checked against.
 
 Sampling turns the last logits z into probabilities p = softmax(z / T); top-k keeps the k
-largest, top-p (nucleus) keeps the smallest set whose mass reaches p; T = 0 means greedy argmax.
+largest, top-p (nucleus) keeps the smallest set whose mass reaches p; T = 0 means greedy argmax,
+and top-k / top-p are refused with it (they would change nothing).
+
+Randomness: with ``seed=`` a run draws from its own generator and repeats exactly; without it,
+sampling draws from torch's global generator, so ``torch.manual_seed`` makes it repeatable too.
+
+Every argument is checked before any work: a bad prompt, count or sampling setting raises one
+``ValueError`` that names it and says what to pass instead.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .kvcache import make_kv_cache
-from .model import Transformer
+from .model import Transformer, check_cache, check_count
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
@@ -39,16 +47,72 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     if not prompt:
         raise ValueError("The prompt is empty; pass some text, chat messages or token ids.")
     if all(isinstance(m, dict) for m in prompt):
+        check_messages(prompt)
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
-    if all(isinstance(t, int) for t in prompt):
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise TypeError(
         "prompt must be a string, a list of chat messages ({'role': ..., 'content': ...}) "
         "or a list of token ids."
     )
+
+
+def check_messages(messages: Sequence[dict[str, Any]]) -> None:
+    """Chat messages need a string ``role`` and a non-empty string ``content`` each."""
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(
+                f"Chat message {i} must have a string 'role' and 'content', got {m!r}; e.g. "
+                "{'role': 'user', 'content': 'Hello'}."
+            )
+        if not m["content"].strip():
+            raise ValueError(
+                f"Chat message {i} ({m['role']}) is empty; write something for the model to answer."
+            )
+
+
+def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Every prompt token id must be in the model's vocabulary, 0 .. vocab_size - 1."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"Prompt token id {bad[0]} is outside the model's vocabulary (0 .. {vocab_size - 1}); "
+            "encode the text with this model's tokenizer."
+        )
+
+
+def check_sampling(
+    temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> None:
+    """Refuse sampling settings that cannot work or would be silently ignored.
+
+    ``temperature``: a finite number >= 0 (0 = greedy). ``top_k``: None or a whole number >= 1.
+    ``top_p``: None or a number in (0, 1]. top-k / top-p filter what is *sampled*, so with
+    greedy decoding they would do nothing: asking for both is an error.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}.")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(
+            f"temperature must be >= 0 and finite, got {temperature}; use 0 for greedy "
+            "decoding or e.g. 0.7 for sampling."
+        )
+    if top_k is not None:
+        check_count(top_k, "top_k", fix="use None for no limit")
+    if top_p is not None and (
+        isinstance(top_p, bool)
+        or not isinstance(top_p, (int, float))
+        or not 0 < top_p <= 1  # False for NaN too
+    ):
+        raise ValueError(f"top_p must be in (0, 1] (or None for no limit), got {top_p!r}.")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ValueError(
+            "top_k and top_p choose among sampled tokens, but temperature 0 means greedy "
+            "decoding, which ignores them; pass a temperature > 0 (e.g. 0.7) or drop top_k/top_p."
+        )
 
 
 def logits_to_probs(
@@ -57,13 +121,10 @@ def logits_to_probs(
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> Tensor:
-    """Sampling distribution over the vocabulary from logits [..., vocab]."""
-    if temperature <= 0:
+    """Sampling distribution over the vocabulary from logits [..., vocab] (temperature > 0)."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
         raise ValueError("temperature must be > 0 for sampling; use 0 only for greedy decoding.")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1 (or None for no limit), got {top_k}.")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (or None for no limit), got {top_p}.")
     z = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[..., -1:]
@@ -85,7 +146,11 @@ def next_token(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> int:
-    """Pick the next token from the last logits [vocab]: argmax when temperature == 0."""
+    """Pick the next token from the last logits [vocab]: argmax when temperature == 0.
+
+    Without a ``generator`` sampling draws from torch's global generator (``torch.manual_seed``).
+    """
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return int(torch.argmax(logits))
     probs = logits_to_probs(logits, temperature, top_k, top_p)
@@ -94,8 +159,7 @@ def next_token(
 
 def check_length(model: Transformer, prompt_len: int, max_new_tokens: int) -> int:
     """prompt + new tokens, after checking that they fit the model's context."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    check_count(max_new_tokens, "max_new_tokens", fix="ask for at least 1 new token")
     total = prompt_len + max_new_tokens
     if total > model.config.max_seq_len:
         raise ValueError(
@@ -106,17 +170,24 @@ def check_length(model: Transformer, prompt_len: int, max_new_tokens: int) -> in
     return total
 
 
-def make_generator(
-    device: torch.device, seed: int | None, sampling: bool
-) -> torch.Generator | None:
-    """A seeded generator, a randomly seeded one when sampling without a seed, else None."""
+def check_seed(seed: object) -> None:
+    """A seed is None (torch's global generator) or a whole number >= 0."""
     if seed is not None:
-        return torch.Generator(device=device).manual_seed(seed)
-    if sampling:
-        generator = torch.Generator(device=device)
-        generator.seed()
-        return generator
-    return None
+        check_count(seed, "seed", minimum=0, fix="or None to use torch's global generator")
+
+
+def make_generator(
+    device: torch.device, seed: int | None, sampling: bool = True
+) -> torch.Generator | None:
+    """A generator seeded with ``seed``; None without a seed (or when not sampling).
+
+    None makes torch's sampling functions draw from the global generator of ``device``, so
+    ``torch.manual_seed(s)`` before a call makes an unseeded run repeatable.
+    """
+    check_seed(seed)
+    if seed is None or not sampling:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def stop_ids(model: Transformer, tokenizer: Any) -> set[int]:
@@ -170,9 +241,16 @@ def generate(
     it is produced; a callable receives the text pieces instead. ``cache`` picks the KV cache:
     ``"static"`` (default), ``"paged"`` (``block_size=``), ``"sink"`` (``n_sink=``, ``window=``),
     ``"h2o"`` (``budget=``, ``recent=``), or a fresh per-layer cache object
-    (``minisparse.kvcache``).
+    (``minisparse.kvcache``). Sampling without ``seed`` draws from torch's global generator
+    (``torch.manual_seed`` makes it repeatable). Every argument is checked before any work.
     """
+    check_sampling(temperature, top_k, top_p)
+    check_count(max_new_tokens, "max_new_tokens", fix="ask for at least 1 new token")
+    check_seed(seed)
+    if not isinstance(cache, str):
+        check_cache(cache, model.config.n_layers)
     ids = encode_prompt(tokenizer, prompt)
+    check_prompt_ids(ids, model.config.vocab_size)
     total = check_length(model, len(ids), max_new_tokens)
     device = model.device
     generator = make_generator(device, seed, sampling=temperature > 0)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import attention_weights, kv_group, position_mask, repeat_kv
-from .model import KVCache, ModelConfig, Transformer, make_cache
+from .model import KVCache, ModelConfig, Transformer, check_count, make_cache
 
 CACHE_KINDS = ("static", "paged", "sink", "h2o")
 
@@ -62,9 +62,9 @@ def kv_cache_bytes(
     """Bytes of keys and values: 2 * layers * kv_heads * head_dim * seq_len * batch * bytes."""
     sizes = {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "batch": batch}
     for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}.")
-    if seq_len < 0 or bytes_per_elem <= 0:
+        check_count(value, name)
+    check_count(seq_len, "seq_len", minimum=0)
+    if not bytes_per_elem > 0:
         raise ValueError(
             f"Need seq_len >= 0 and bytes_per_elem > 0, got {seq_len} and {bytes_per_elem}."
         )
@@ -87,10 +87,8 @@ class BlockManager:
     """
 
     def __init__(self, n_blocks: int, block_size: int = 16) -> None:
-        if n_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"Need n_blocks >= 1 and block_size >= 1, got {n_blocks} and {block_size}."
-            )
+        check_count(n_blocks, "n_blocks")
+        check_count(block_size, "block_size", fix="e.g. 16 tokens per block")
         self.n_blocks, self.block_size = n_blocks, block_size
         self.free = list(range(n_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self.refs = [0] * n_blocks
@@ -271,6 +269,15 @@ def random_trace(
 ) -> Trace:
     """Uniformly random prompt (shared_prefix + 1 .. max_prompt) and output (1 .. max_output)
     lengths, seeded."""
+    check_count(n_requests, "n_requests")
+    check_count(max_output, "max_output")
+    check_count(shared_prefix, "shared_prefix", minimum=0)
+    check_count(
+        max_prompt,
+        "max_prompt",
+        minimum=shared_prefix + 1,
+        fix="prompts must be longer than the shared prefix",
+    )
     rng = np.random.default_rng(seed)
     prompts = rng.integers(shared_prefix + 1, max_prompt + 1, n_requests).tolist()
     outputs = rng.integers(1, max_output + 1, n_requests).tolist()
@@ -286,6 +293,8 @@ def simulate_waste(trace: Trace, max_seq_len: int, block_size: int = 16) -> list
     * ``paged``: blocks on demand from a ``BlockManager``;
     * ``paged + shared prefix``: the same, the prompt prefix stored once (``fork``).
     """
+    check_count(block_size, "block_size", fix="e.g. 16 tokens per block")
+    check_count(max_seq_len, "max_seq_len")
     longest = max(p + o for p, o in zip(trace.prompt_lens, trace.output_lens, strict=True))
     if longest > max_seq_len:
         raise ValueError(f"A request needs {longest} tokens > max_seq_len={max_seq_len}.")
@@ -343,8 +352,8 @@ class SinkCache:
     """
 
     def __init__(self, n_sink: int = 4, window: int = 256) -> None:
-        if n_sink < 0 or window < 1:
-            raise ValueError(f"Need n_sink >= 0 and window >= 1, got {n_sink} and {window}.")
+        check_count(n_sink, "n_sink", minimum=0, fix="StreamingLLM keeps 4")
+        check_count(window, "window", fix="e.g. 256 recent tokens")
         self.n_sink, self.window = n_sink, window
         self.k: Tensor | None = None
         self.v: Tensor | None = None
@@ -385,8 +394,9 @@ class H2OCache:
     """
 
     def __init__(self, budget: int = 256, recent: int | None = None) -> None:
-        recent = budget // 2 if recent is None else recent
-        if budget < 1 or not 0 <= recent <= budget:
+        check_count(budget, "budget", fix="e.g. 256 kept tokens per head")
+        recent = budget // 2 if recent is None else check_count(recent, "recent", minimum=0)
+        if recent > budget:
             raise ValueError(f"Need budget >= 1 and 0 <= recent <= budget; got {budget}, {recent}.")
         self.budget, self.recent = budget, recent
         self.k: Tensor | None = None
@@ -452,12 +462,14 @@ def make_kv_cache(
             f"Options {sorted(unknown)} do not apply to the {kind!r} cache; "
             f"it takes {list(allowed[kind]) or 'no options'}."
         )
+    check_count(max_seq_len, "max_seq_len")
+    check_count(batch, "batch")
     if kind == "static":
         return make_cache(config, batch, max_seq_len, dtype, device)
     if batch != 1:
         raise ValueError(f"The {kind!r} cache runs batch 1; got batch {batch}.")
     if kind == "paged":
-        block_size = options.get("block_size", 16)
+        block_size = check_count(options.get("block_size", 16), "block_size", fix="e.g. 16")
         n_blocks = math.ceil(max_seq_len / block_size)
         return PagedKVCache(config, n_blocks, block_size, dtype, device)
     if kind == "sink":

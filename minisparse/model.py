@@ -30,6 +30,7 @@ there, chapter 04 a ReLU.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,6 +46,25 @@ ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
     "gelu": nn.GELU,
 }
+
+
+def check_count(value: object, name: str, minimum: int = 1, fix: str = "") -> int:
+    """``value`` as an int after checking it is a whole number >= ``minimum`` (not a bool).
+
+    Every count the library takes (tokens, layers, steps, block sizes, repeats) goes through
+    here, so 0, -1, 2.5 or True give one ``ValueError`` that names the argument.
+    """
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # int, np.int64
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        hint = f"; {fix}" if fix else ""
+        raise ValueError(
+            f"{name} must be at least {minimum} (a whole number {name} >= {minimum}), "
+            f"got {value!r}{hint}."
+        )
+    return number
 
 
 @dataclass
@@ -70,6 +90,10 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # transformers' RoPE variant (llama3, linear, ...)
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+            check_count(getattr(self, name), name)
+        check_count(self.ffn_dim, "ffn_dim")
+        check_count(self.max_seq_len, "max_seq_len")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}); "
@@ -223,7 +247,8 @@ def make_cache(
     device: torch.device | str | None = None,
 ) -> nn.ModuleList:
     """One static ``KVCache`` per layer, to pass as ``model(tokens, input_pos, cache=...)``."""
-    length = max_seq_len or config.max_seq_len
+    check_count(batch, "batch")
+    length = config.max_seq_len if max_seq_len is None else check_count(max_seq_len, "max_seq_len")
     return nn.ModuleList(
         KVCache(batch, config.n_kv_heads, length, config.head_dim, dtype, device)
         for _ in range(config.n_layers)
@@ -370,10 +395,13 @@ class Transformer(nn.Module):
         cache: Sequence[KVCache] | None = None,
     ) -> Tensor:
         """The final-normed hidden states [batch, seq, dim], before the LM head."""
-        if tokens.dim() != 2:
+        check_tokens(tokens, self.config.vocab_size)
+        if cache is not None:
+            check_cache(cache, self.config.n_layers)
+        if input_pos is not None and tuple(input_pos.shape) != (tokens.shape[1],):
             raise ValueError(
-                f"tokens must have shape [batch, seq], got {tuple(tokens.shape)}; "
-                "use tokens[None] for a single sequence."
+                f"input_pos must hold one position per token ({tokens.shape[1]}), got shape "
+                f"{tuple(input_pos.shape)}; e.g. torch.arange(start, start + tokens.shape[1])."
             )
         if input_pos is None:
             if cache is not None:
@@ -383,6 +411,8 @@ class Transformer(nn.Module):
                 )
             input_pos = torch.arange(tokens.shape[1], device=tokens.device)
         input_pos = input_pos.long()
+        if int(input_pos.min()) < 0:
+            raise ValueError("input_pos holds a negative position; positions start at 0.")
         x = self.embed(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
         if self.rope_scale != 1.0:
@@ -411,7 +441,44 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
 
-def use_input_major_weights(model: nn.Module) -> nn.Module:
+def check_tokens(tokens: Tensor, vocab_size: int) -> None:
+    """Refuse token ids the embedding cannot look up: wrong shape or dtype, < 0 or >= vocab."""
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(
+            f"tokens must be a tensor of shape [batch, seq], got {shape}; "
+            "use tokens[None] for a single sequence."
+        )
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer token ids (torch.long), got {tokens.dtype}.")
+    if tokens.numel() == 0:
+        raise ValueError("tokens is empty; pass at least one token id.")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"Token id {bad} is outside the model's vocabulary (0 .. {vocab_size - 1}); encode "
+            "the text with this model's tokenizer."
+        )
+
+
+def check_cache(cache: Sequence[Any], n_layers: int) -> None:
+    """A KV cache must have one entry per layer (``make_cache`` / ``make_kv_cache`` build one)."""
+    try:
+        size = len(cache)
+    except TypeError:
+        raise ValueError(
+            f"cache must be a sequence of per-layer caches, got {type(cache).__name__}; build "
+            "one with minisparse.model.make_cache or minisparse.kvcache.make_kv_cache."
+        ) from None
+    if size != n_layers:
+        raise ValueError(
+            f"The cache has {size} layers but the model has {n_layers}; build it for this "
+            "model: make_cache(model.config, ...) or make_kv_cache(kind, model.config, ...)."
+        )
+
+
+def use_input_major_weights_(model: nn.Module) -> nn.Module:
     """Re-store every ``nn.Linear`` weight W [out, in] as the transpose of a contiguous [in, out].
 
     The values, shapes and results are unchanged; only the memory order differs. A batch-1
@@ -419,7 +486,7 @@ def use_input_major_weights(model: nn.Module) -> nn.Module:
     this is a GEMV of dot products, one per output; with W^T contiguous it becomes a row-major
     x @ W^T that streams the weights in order while accumulating all outputs at once. On the
     course's CPU the second form moves weights from DRAM at a clearly higher bandwidth, so decoding
-    is faster (``minisparse bench decode`` measures both). Works in place and returns ``model``.
+    is faster (``minisparse bench decode`` measures both). In place; returns ``model``.
     """
     with torch.no_grad():
         for module in model.modules():
@@ -430,7 +497,7 @@ def use_input_major_weights(model: nn.Module) -> nn.Module:
     return model
 
 
-def use_streaming_gemv(model: nn.Module, enabled: bool = True) -> nn.Module:
+def use_streaming_gemv_(model: nn.Module, enabled: bool = True) -> nn.Module:
     """Switch the streaming single-token GEMV of every ``Linear`` on (or off); in place.
 
     Turning it on also stores the weights input-major, the layout the streaming loop reads.
@@ -439,7 +506,7 @@ def use_streaming_gemv(model: nn.Module, enabled: bool = True) -> nn.Module:
     if enabled:
         from .kernels.cpu import fast_path_available
 
-        use_input_major_weights(model)
+        use_input_major_weights_(model)
         enabled = fast_path_available()
     for module in model.modules():
         if isinstance(module, Linear):
@@ -447,8 +514,8 @@ def use_streaming_gemv(model: nn.Module, enabled: bool = True) -> nn.Module:
     return model
 
 
-def use_output_major_weights(model: nn.Module) -> nn.Module:
-    """Undo ``use_input_major_weights``: make every ``nn.Linear`` weight contiguous [out, in]."""
+def use_output_major_weights_(model: nn.Module) -> nn.Module:
+    """Undo ``use_input_major_weights_``: contiguous [out, in] ``nn.Linear`` weights; in place."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -463,8 +530,8 @@ def is_input_major(weight: Tensor) -> bool:
     return weight.dim() == 2 and weight.t().is_contiguous() and weight.shape[0] > 1
 
 
-def init_weights(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
-    """Fill a model with seeded random weights (for unit tests and shape experiments)."""
+def init_weights_(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
+    """Fill a model with seeded random weights, in place (for unit tests and shape experiments)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -473,6 +540,13 @@ def init_weights(model: Transformer, seed: int = 0, std: float = 0.02) -> Transf
             else:
                 p.copy_(std * torch.randn(p.shape, generator=gen))
     return model
+
+
+# The names before the in-place convention (a trailing underscore), kept for existing code.
+use_input_major_weights = use_input_major_weights_
+use_streaming_gemv = use_streaming_gemv_
+use_output_major_weights = use_output_major_weights_
+init_weights = init_weights_
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -501,13 +575,20 @@ __all__ = [
     "Transformer",
     "apply_rope",
     "causal_mask",
+    "check_cache",
+    "check_count",
+    "check_tokens",
     "flops_per_token",
     "init_weights",
+    "init_weights_",
     "make_cache",
     "param_bytes",
     "rope_cos_sin",
     "rope_inv_freq",
     "use_input_major_weights",
+    "use_input_major_weights_",
     "use_output_major_weights",
+    "use_output_major_weights_",
     "use_streaming_gemv",
+    "use_streaming_gemv_",
 ]

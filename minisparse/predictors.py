@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -390,6 +390,8 @@ class Predictors:
     head_keep: int = 0
     # per layer, the sizes tried and their validation scores (the cutoffs were set on those tokens)
     history: list[list[dict[str, float]]] = field(default_factory=list)
+    # the model they were trained on (``model_fingerprint``), checked when loaded for another
+    made_for: dict[str, Any] | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -489,6 +491,7 @@ class Predictors:
             "head_ranks": [p.rank for p in self.heads] if self.heads is not None else [],
             "shape": model_shape(self.neurons, self.heads),
             "history": self.history,
+            "made_for": self.made_for,
         }
         path = Path(path)
         save_tensors_atomic(
@@ -498,46 +501,41 @@ class Predictors:
 
     @classmethod
     def load(cls, path: str | Path, model: Transformer) -> Predictors:
-        """Read predictors saved by ``save`` for ``model``'s shape."""
+        """Read predictors saved by ``save`` for ``model``; refuse files made for another model.
+
+        The file must be a predictors file (safetensors with its JSON description) whose shape
+        (layers, widths, ranks, tensor shapes) fits ``model``; when it records the model it was
+        trained on (``model_fingerprint``), that must be ``model`` too (same activation, same
+        gate weights to 0.1 %). Anything else is one ValueError saying what to do.
+        """
         path = Path(path)
-        if not path.exists():
+        if not path.is_file():
             raise FileNotFoundError(f"No predictors at {path}; train them with train_predictors.")
-        with safe_open(str(path), "pt") as f:
-            raw = (f.metadata() or {}).get("predictors")
-        if raw is None:
-            raise ValueError(f"{path} is not a predictors file (no 'predictors' metadata).")
-        meta = json.loads(raw)
+        meta, tensors = read_predictors_file(path)
         c = model.config
-        want = {"n_layers": c.n_layers, "dim": c.dim, "ffn_dim": c.ffn_dim, "n_heads": c.n_heads}
-        saved = meta.get("shape", {})
-        if any(saved.get(k, v) != v for k, v in want.items()) or len(meta["ranks"]) != c.n_layers:
-            raise ValueError(
-                f"{path} holds predictors for a model of shape {saved}, not this one ({want}); "
-                "train predictors for this model with train_predictors or `minisparse predictors`."
-            )
+        check_saved_shape(path, meta, model)
+        saved_for = meta.get("made_for")
+        if saved_for is not None:
+            check_fingerprint(path, saved_for, model_fingerprint(model))
         neurons = nn.ModuleList(Predictor(c.dim, r, c.ffn_dim, meta["kind"]) for r in meta["ranks"])
         heads = None
         if meta["head_ranks"]:
             heads = nn.ModuleList(
                 Predictor(c.dim, r, c.n_heads, meta["kind"]) for r in meta["head_ranks"]
             )
-        tensors = load_file(str(path))
-        neurons.load_state_dict(
-            {k.removeprefix("neurons."): v for k, v in tensors.items() if k.startswith("neurons.")}
-        )
+        load_part(path, neurons, tensors, "neurons.")
         if heads is not None:
-            heads.load_state_dict(
-                {k.removeprefix("heads."): v for k, v in tensors.items() if k.startswith("heads.")}
-            )
+            load_part(path, heads, tensors, "heads.")
         device = model.device
         return cls(
             neurons.requires_grad_(False).to(device),
-            meta["thresholds"],
+            [float(t) for t in meta["thresholds"]],
             meta["kind"],
-            meta["lookahead"],
+            bool(meta["lookahead"]),
             heads.requires_grad_(False).to(device) if heads is not None else None,
-            meta["head_keep"],
+            int(meta["head_keep"]),
             meta["history"],
+            saved_for,
         )
 
     def select(self, layer: int, x: Tensor) -> Tensor:
@@ -552,6 +550,99 @@ class Predictors:
                 "predicted_masks_applied instead of a per-layer select."
             )
         return predict_neurons(self.neurons[layer], x).any(0).nonzero().flatten()
+
+
+META_KEYS = ("kind", "ranks", "thresholds", "lookahead", "head_keep", "head_ranks", "shape")
+
+
+def read_predictors_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The JSON description and the tensors of a predictors file, or a ValueError saying why not."""
+    hint = "train predictors with train_predictors or `minisparse predictors`"
+    try:
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("predictors")
+        tensors = load_file(str(path))
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({err}); {hint}.") from err
+    if raw is None:
+        raise ValueError(f"{path} is not a predictors file (no 'predictors' metadata); {hint}.")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} has a damaged predictors description ({err}); {hint}.") from err
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"{path} lacks {missing} in its predictors description; {hint}.")
+    meta.setdefault("history", [])
+    if meta["kind"] not in KINDS:
+        raise ValueError(f"{path} holds predictors of unknown kind {meta['kind']!r}; {hint}.")
+    return meta, tensors
+
+
+def check_saved_shape(path: Path, meta: dict[str, Any], model: Transformer) -> None:
+    """The saved predictors' shape must be ``model``'s: layers, widths, one rank per layer."""
+    c = model.config
+    want = {"n_layers": c.n_layers, "dim": c.dim, "ffn_dim": c.ffn_dim}
+    if meta["head_ranks"]:
+        want["n_heads"] = c.n_heads
+    saved = meta["shape"] if isinstance(meta["shape"], dict) else {}
+    counts_ok = (
+        len(meta["ranks"]) == c.n_layers
+        and len(meta["thresholds"]) == c.n_layers
+        and len(meta["head_ranks"]) in (0, c.n_layers)
+    )
+    if any(saved.get(k) != v for k, v in want.items()) or not counts_ok:
+        raise ValueError(
+            f"{path} holds predictors for a model of shape {saved}, not this one ({want}); "
+            "train predictors for this model with train_predictors or `minisparse predictors`."
+        )
+
+
+def load_part(path: Path, modules: nn.ModuleList, tensors: dict[str, Tensor], prefix: str) -> None:
+    """Load the tensors named ``prefix...`` into ``modules``, checking names and shapes first."""
+    part = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+    expected = modules.state_dict()
+    wrong = sorted(set(part) ^ set(expected)) or [
+        k for k, v in expected.items() if tuple(part[k].shape) != tuple(v.shape)
+    ]
+    if wrong:
+        raise ValueError(
+            f"{path} does not match its own description or this model at {prefix}{wrong[0]}; "
+            "the file is damaged or was made for another model: train predictors again."
+        )
+    modules.load_state_dict(part)
+
+
+def model_fingerprint(model: Transformer) -> dict[str, Any]:
+    """What identifies the model predictors were trained on: its activation and gate weights.
+
+    Per layer the mean |W_gate|: any fine-tuning or another checkpoint of the same shape moves
+    it, while a cast to bfloat16 or a move to another device does not (to 0.1 %).
+    """
+    return {
+        "hidden_act": model.config.hidden_act,
+        "gate_mean_abs": [
+            float(layer.mlp.gate_proj.weight.detach().float().abs().mean())
+            for layer in model.layers
+        ],
+    }
+
+
+def check_fingerprint(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse predictors trained on another model than ``current`` describes."""
+    a, b = saved.get("gate_mean_abs", []), current["gate_mean_abs"]
+    same = (
+        saved.get("hidden_act") == current["hidden_act"]
+        and len(a) == len(b)
+        and all(abs(x - y) <= 1e-3 * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
+    )
+    if not same:
+        raise ValueError(
+            f"{path} holds predictors trained on another model (activation "
+            f"{saved.get('hidden_act')!r}, other weights) than this one "
+            f"({current['hidden_act']!r}); load them with the model they were trained on, or "
+            "train predictors for this model with train_predictors or `minisparse predictors`."
+        )
 
 
 def build_predictor(
@@ -681,6 +772,7 @@ def fit_predictors(
     """
     n_layers = len(model.layers)
     result = Predictors(nn.ModuleList(), list(thresholds), config.kind, config.lookahead)
+    result.made_for = model_fingerprint(model)
     for i in tqdm(range(n_layers), desc="predictors", disable=not progress):
         gate = model.layers[i].mlp.gate_proj.weight.detach()
         x, x_val = result.neuron_input(train, i), result.neuron_input(val, i)
@@ -835,6 +927,7 @@ __all__ = [
     "initial_rank",
     "keep_largest",
     "mlp_cost",
+    "model_fingerprint",
     "predict_heads",
     "predict_neurons",
     "predicted_masks_applied",

@@ -249,13 +249,28 @@ def quantize_tensor(
 ) -> QuantizedTensor:
     """Round-to-nearest quantization of ``x`` [rows, cols] (see the module docstring).
 
-    ``clip`` is one ratio, or one per group [rows, groups] (AWQ's clip search).
+    ``clip`` is one ratio, or one per group [rows, groups] (AWQ's clip search). NaN or inf in
+    ``x`` is refused: it would make its whole group's scale, and so every value of the group,
+    NaN.
     """
+    check_finite(x, "the tensor to quantize")
     groups = grouped(x, spec)
     scale, offset = quant_params(groups, spec, clip)
     q = round_to_grid(groups, scale[..., None], None if offset is None else offset[..., None], spec)
     q = ungrouped(q, x.shape).to(code_dtype(spec))
     return QuantizedTensor(q=q, scale=scale, offset=offset, spec=spec)
+
+
+def check_finite(x: Tensor, what: str) -> None:
+    """Refuse NaN or inf values in ``x`` with one ValueError that says where they are."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"{what} holds {int(bad.sum())} NaN or inf value(s) (the first at index {where}); "
+            "one of them would make its whole row or group NaN after quantization. Repair the "
+            "weights first (reload the model, or torch.nan_to_num_ to zero them)."
+        )
 
 
 def fake_quantize_groups(groups: Tensor, spec: QuantSpec, clip: Tensor | float = 1.0) -> Tensor:
@@ -293,11 +308,44 @@ class ActQuantLinear(nn.Module):
         self.linear, self.spec = linear, spec
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        return self.linear(fake_quantize(flat, self.spec).view_as(x))
+        flat = x.reshape(-1, x.shape[-1])  # NaN/inf activations stay NaN, as without quantization
+        x_hat = ungrouped(fake_quantize_groups(grouped(flat, self.spec), self.spec), flat.shape)
+        return self.linear(x_hat.to(x.dtype).view_as(x))
 
 
-class Int8Linear(nn.Module):
+def target_device(fn: Callable[[Tensor], Tensor], current: torch.device) -> torch.device:
+    """The device a ``Module._apply`` function sends tensors on ``current`` to (a probe's)."""
+    return fn(torch.empty(0, device=current)).device
+
+
+class PackedLinear(nn.Module):
+    """Base of the low-bit layers: ``.to(dtype)`` leaves their codes and scales as they are.
+
+    The kernels need their exact dtypes (int8/int32 codes, bfloat16 scales), so a cast of the
+    model (``model.to(torch.bfloat16)``, ``model.double()``) changes only what the layer
+    returns (it follows the input's dtype); a move to another device moves the buffers
+    unchanged.
+    """
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PackedLinear:
+        current = next(b.device for b in self._buffers.values() if b is not None)
+        device = target_device(fn, current)
+        self.check_device(device)
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[name] = buffer.to(device)
+        self.fast = self.fast_on(device)
+        return self
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise when the layer cannot run on ``device``."""
+
+    def fast_on(self, device: torch.device) -> bool:
+        """Whether the CPU kernel serves this layer on ``device``."""
+        return False
+
+
+class Int8Linear(PackedLinear):
     """Weight-only int8 linear: codes q [out, in] and one symmetric scale per output channel.
 
     y = x (s q)^T + b. On a CPU it runs ``torch._weight_int8pack_mm`` on bfloat16 activations
@@ -320,10 +368,13 @@ class Int8Linear(nn.Module):
         scale = qt.scale.expand(out_features, 1).reshape(-1).float().contiguous()
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.fast = (  # the CPU kernel crashes on input sizes that are not multiples of 16
-            self.q.device.type == "cpu"
+        self.fast = self.fast_on(self.q.device)
+
+    def fast_on(self, device: torch.device) -> bool:
+        return (  # the CPU kernel crashes on input sizes that are not multiples of 16
+            device.type == "cpu"
             and hasattr(torch, "_weight_int8pack_mm")
-            and in_features % 16 == 0
+            and self.in_features % 16 == 0
         )
 
     @classmethod
@@ -364,7 +415,7 @@ def int4_kernel_block(group: int, cols: int, rows: int) -> int | None:
     return None
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(PackedLinear):
     """Weight-only int4 linear from 4-bit codes with per-group (or per-channel) scales.
 
     On a CPU, when the shape allows (``int4_kernel_block``), the codes are packed two per byte
@@ -387,6 +438,7 @@ class Int4Linear(nn.Module):
         on_cpu = qt.q.device.type == "cpu"
         self.block = int4_kernel_block(group, in_features, out_features) if on_cpu else None
         self.fast = self.block is not None
+        self.packed_for_cpu = self.fast  # the kernel's packed layout is the CPU's
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         if not self.fast:  # the codes and per-group parameters as they are
             self.spec = spec
@@ -404,9 +456,20 @@ class Int4Linear(nn.Module):
         pairs = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", pairs.to(torch.bfloat16))  # [blocks, out, 2]
 
+    def check_device(self, device: torch.device) -> None:
+        if self.packed_for_cpu and device.type != "cpu":
+            raise ValueError(
+                f"This int4 layer holds codes packed for the CPU kernel and cannot move to "
+                f"{device}; quantize the model on {device.type} instead (quantize_model on a "
+                "model already moved there)."
+            )
+
+    def fast_on(self, device: torch.device) -> bool:
+        return self.packed_for_cpu and device.type == "cpu"
+
     def dequantized(self) -> Tensor:
         """The weight the layer computes with, [out, in] float32."""
-        if not self.fast:
+        if not self.packed_for_cpu:
             return QuantizedTensor(self.q, self.scale, self.offset, self.spec).dequantize()
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
         return self._kernel(eye).float().t()  # exact inputs, bfloat16 outputs
@@ -418,7 +481,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = self._kernel(flat) if self.fast else F.linear(flat, self.dequantized().to(x.dtype))
+        if self.packed_for_cpu:
+            y = self._kernel(flat)
+        else:
+            y = F.linear(flat, self.dequantized().to(x.dtype))
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
@@ -484,8 +550,8 @@ def block_groups(model: Transformer) -> list[LinearGroup]:
     ]  # fmt: skip
 
 
-def untie_lm_head(model: Transformer) -> None:
-    """Give ``model`` an LM head of its own, a copy of the tied embedding, to be quantized.
+def untie_lm_head_(model: Transformer) -> Transformer:
+    """Give ``model`` an LM head of its own, a copy of the tied embedding; in place, returns it.
 
     The embedding table keeps its values for the lookup; the config no longer ties them (so
     ``tie_weights`` cannot put the table back into the head).
@@ -498,6 +564,10 @@ def untie_lm_head(model: Transformer) -> None:
         head.streaming = getattr(old, "streaming", False)
         model.lm_head = head
     model.config = dataclasses.replace(model.config, tie_embeddings=False)
+    return model
+
+
+untie_lm_head = untie_lm_head_  # the name before the in-place convention
 
 
 # --------------------------------------------------------------------------------------------
@@ -617,7 +687,8 @@ def quantize_model(
     Further ``options`` are the fields of ``QuantConfig``: ``symmetric``, ``act_bits`` (8 for
     W8A8, per-token; SmoothQuant's default), ``act_per_tensor``, ``packed`` (real int8/int4
     kernels instead of fake-quantized float32 weights), ``alpha``, ``awq_grid``, ``awq_clip``,
-    ``gptq_damp``, ``gptq_block``. The copy carries its ``quant_config``.
+    ``gptq_damp``, ``gptq_block``. The copy carries its ``quant_config``. Weights holding NaN or
+    inf are refused (a ValueError naming the layer): one would turn its whole row or group NaN.
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(QuantConfig)}
     if unknown:
@@ -627,9 +698,10 @@ def quantize_model(
         )
     config = QuantConfig(method=method, bits=bits, group_size=group_size, **options)  # type: ignore[arg-type]
     tokens = check_calibration(calib_batches, method) if config.calibrated else None
+    check_finite_weights(model)
     new = copy.deepcopy(model).eval()
     if config.lm_head:
-        untie_lm_head(new)
+        untie_lm_head_(new)
     with torch.no_grad():
         if tokens is None:
             quantize_rtn(new, config, progress)
@@ -637,6 +709,13 @@ def quantize_model(
             quantize_calibrated(new, config, tokens.to(new.device), progress)
     new.quant_config = config
     return new
+
+
+def check_finite_weights(model: nn.Module) -> None:
+    """Refuse a model whose linear or embedding weights hold NaN or inf, naming the first."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            check_finite(module.weight.detach(), f"{name}.weight")
 
 
 def install(parent: nn.Module, name: str, qt: QuantizedTensor, config: QuantConfig) -> nn.Module:

@@ -12,7 +12,8 @@ activations and fine-tunes briefly to recover the quality:
   inputs of q/k/v and of gate/up become sparse too and their columns can be skipped.
 
 ``relufy`` returns a new model (the input is untouched; weights are copied unchanged, only the
-activation modules differ). ``minisparse.finetune`` recovers quality by distillation from the
+activation modules differ): like every function without a trailing underscore, it never
+changes its argument. ``minisparse.finetune`` recovers quality by distillation from the
 dense model; ``finetune_relufied`` runs it and keeps the result in the cache, and
 ``load_relufied`` reads it back (what ``minisparse relufy --stage 1 --steps N`` produces).
 """
@@ -32,19 +33,47 @@ from torch import nn
 from .cache import cache_dir, save_tensors_atomic
 from .data import corpus, encode
 from .eval import windows
-from .finetune import FinetuneConfig, cpu_name, finetune, uses_bf16
-from .model import Transformer
+from .finetune import FinetuneConfig, cpu_name, finetune_, uses_bf16
+from .model import Transformer, check_count
 from .sparsity import measure
 
 STAGES = (1, 2)
+EVAL_WINDOW = 256  # tokens per held-out window that ``sparsity.measure`` scores
+
+
+def check_stage(stage: object) -> int:
+    """1 or 2, else a ValueError saying what the stages are."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(
+            f"stage must be 1 (MLP activation) or 2 (also after the norms), got {stage!r}."
+        )
+    return int(stage)  # type: ignore[call-overload]
+
+
+def check_relufy_arguments(
+    stage: object, seq_len: object, eval_tokens: object, min_eval_tokens: int = 2
+) -> None:
+    """What ``relufy_and_finetune`` needs besides the model, checked before any work.
+
+    ``sparsity.measure`` scores windows of ``EVAL_WINDOW`` tokens, so a real run needs
+    ``min_eval_tokens=EVAL_WINDOW`` (the command line asks for it).
+    """
+    check_stage(stage)
+    check_count(seq_len, "seq_len", minimum=2, fix="training windows need 2 tokens or more")
+    check_count(
+        eval_tokens,
+        "eval_tokens",
+        minimum=min_eval_tokens,
+        fix=f"perplexity is measured on windows of {EVAL_WINDOW} tokens",
+    )
 
 
 def relufy(model: Transformer, stage: int = 1) -> Transformer:
-    """A copy of ``model`` with ReLU activations: stage 1 in the MLPs, stage 2 also after norms."""
-    if stage not in STAGES:
-        raise ValueError(
-            f"stage must be 1 (MLP activation) or 2 (also after the norms), got {stage}."
-        )
+    """A copy of ``model`` with ReLU activations: stage 1 in the MLPs, stage 2 also after norms.
+
+    ``model`` itself is left unchanged.
+    """
+    check_stage(stage)
     new = copy.deepcopy(model)
     new.config = dataclasses.replace(model.config, hidden_act="relu")
     for layer in new.layers:
@@ -117,7 +146,16 @@ def relufy_and_finetune(
     (``load_relufied`` reads them); its checkpoint makes an interrupted run resumable.
     ``measured`` may hold the ``"dense"`` and ``"swapped"`` results of ``sparsity.measure`` on
     the same ``eval_tokens`` when the caller already has them; they are not measured again.
+    ``base`` is left unchanged.
     """
+    check_relufy_arguments(stage, seq_len, eval_tokens)
+    if not isinstance(config, FinetuneConfig):
+        raise ValueError(f"config must be a FinetuneConfig, got {type(config).__name__}.")
+    if seq_len > base.config.max_seq_len:
+        raise ValueError(
+            f"seq_len {seq_len} exceeds the model's context of {base.config.max_seq_len} tokens; "
+            "use a shorter seq_len."
+        )
     train = windows(encode(tokenizer, corpus(split="train")), seq_len)
     eval_ids = encode(tokenizer, corpus(split="eval"))[:eval_tokens]
     student = relufy(base, stage)
@@ -131,7 +169,7 @@ def relufy_and_finetune(
     for name, model in (("dense", base), ("swapped", student)):
         report[name] = (measured or {}).get(name) or measure(model, eval_ids)
     out = result_dir(stage, config.trainable, root)
-    result = finetune(
+    result = finetune_(
         student,
         base,
         train,

@@ -29,8 +29,9 @@ Training-free sparsity (TEAL, Liu et al. 2024; CATS, Lee et al. 2024): pick per 
 magnitude t_l with P(|x| <= t_l) = s on calibration text (the s-quantile of |x|), and zero
 everything below it at inference. TEAL thresholds the projections' inputs (attn_in, mlp_in,
 down_in); CATS thresholds the SiLU output (mlp_act), which also makes down_in sparse.
-``calibrate_thresholds`` returns the t_l, ``apply_thresholds`` installs them as activation
-modules in the model's site slots, ``remove_thresholds`` takes them out again.
+``calibrate_thresholds`` returns the t_l, ``apply_thresholds_`` installs them as activation
+modules in the model's site slots (in place: the trailing underscore), ``remove_thresholds_``
+takes them out again, and ``thresholds_applied`` does both around a ``with`` block.
 """
 
 from __future__ import annotations
@@ -356,39 +357,64 @@ def thresholds_at(stats: SparsityStats, sparsity: float, sites: Sequence[str]) -
 
 
 class MagnitudeThreshold(nn.Module):
-    """Zero the outputs of ``inner`` with |y| <= threshold: y * 1[|y| > t]."""
+    """Zero the outputs of ``inner`` with |y| <= threshold: y * 1[|y| > t].
+
+    The threshold is a Python float (exact in any dtype); it travels in the ``state_dict`` as
+    the module's extra state, so a saved and reloaded model keeps it.
+    """
 
     def __init__(self, inner: nn.Module, threshold: float) -> None:
         super().__init__()
-        if not threshold >= 0:
-            raise ValueError(f"A threshold must be a number >= 0, got {threshold}.")
-        self.inner, self.threshold = inner, float(threshold)
+        self.inner = inner
+        self.threshold = check_threshold(threshold)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.inner(x)
         return y.masked_fill(y.abs() <= self.threshold, 0.0)
 
+    def get_extra_state(self) -> dict[str, float]:
+        return {"threshold": self.threshold}
+
+    def set_extra_state(self, state: dict[str, float]) -> None:
+        self.threshold = check_threshold(state["threshold"])
+
     def extra_repr(self) -> str:
         return f"threshold={self.threshold:.4g}"
 
 
-def apply_thresholds(model: Transformer, thresholds: Mapping[str, Sequence[float]]) -> Transformer:
-    """Install per-layer ``MagnitudeThreshold`` modules at the sites given, in place.
+def check_threshold(threshold: object) -> float:
+    """A magnitude threshold as a float, after checking it is a finite number >= 0."""
+    try:
+        value = math.nan if isinstance(threshold, bool) else float(threshold)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0 <= value < math.inf:  # False for NaN
+        raise ValueError(f"A threshold must be a number >= 0, got {threshold!r}.")
+    return value
+
+
+def apply_thresholds_(model: Transformer, thresholds: Mapping[str, Sequence[float]]) -> Transformer:
+    """Install per-layer ``MagnitudeThreshold`` modules at the sites given; in place, returns it.
 
     Each wraps the module already in the slot (e.g. SiLU, or a ReLU from chapter 04), so the
-    threshold acts on that module's output. ``remove_thresholds`` undoes it.
+    threshold acts on that module's output. ``remove_thresholds_`` undoes it. Every site and
+    threshold is checked before the model is touched.
     """
     check_sites(list(thresholds), tuple(SLOTS))
     n = len(model.layers)
-    for site, values in thresholds.items():
-        for layer, t in zip(model.layers, per_layer(values, n), strict=True):
+    checked = {
+        site: [check_threshold(t) for t in per_layer(values, n)]
+        for site, values in thresholds.items()
+    }
+    for site, values in checked.items():
+        for layer, t in zip(model.layers, values, strict=True):
             owner, name = SLOTS[site](layer)
             setattr(owner, name, MagnitudeThreshold(getattr(owner, name), t))
     return model
 
 
-def remove_thresholds(model: Transformer) -> Transformer:
-    """Take every ``MagnitudeThreshold`` out of the model's site slots, in place."""
+def remove_thresholds_(model: Transformer) -> Transformer:
+    """Take every ``MagnitudeThreshold`` out of the model's site slots; in place, returns it."""
     for layer in model.layers:
         for slot in SLOTS.values():
             owner, name = slot(layer)
@@ -397,16 +423,21 @@ def remove_thresholds(model: Transformer) -> Transformer:
     return model
 
 
+# The names before the in-place convention (a trailing underscore), kept for existing code.
+apply_thresholds = apply_thresholds_
+remove_thresholds = remove_thresholds_
+
+
 @contextlib.contextmanager
 def thresholds_applied(
     model: Transformer, thresholds: Mapping[str, Sequence[float]]
 ) -> Iterator[Transformer]:
-    """Run a block with ``thresholds`` installed, then remove them."""
-    apply_thresholds(model, thresholds)
+    """Run a block with ``thresholds`` installed in ``model``, then remove them."""
+    apply_thresholds_(model, thresholds)
     try:
         yield model
     finally:
-        remove_thresholds(model)
+        remove_thresholds_(model)
 
 
 @dataclass
@@ -501,12 +532,14 @@ __all__ = [
     "SparsityStats",
     "Thresholds",
     "apply_thresholds",
+    "apply_thresholds_",
     "calibrate_thresholds",
     "lorenz_curve",
     "measure",
     "record",
     "recording",
     "remove_thresholds",
+    "remove_thresholds_",
     "savings",
     "thresholds_applied",
     "thresholds_at",

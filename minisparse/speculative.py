@@ -45,6 +45,7 @@ Speculative Sampling" (2023); Saxena, "Prompt Lookup Decoding" (2023); Elhoushi 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,12 +58,15 @@ from torch import Tensor, nn
 from .generate import (
     Prompt,
     check_length,
+    check_prompt_ids,
+    check_sampling,
+    check_seed,
     encode_prompt,
     logits_to_probs,
     make_generator,
     stop_ids,
 )
-from .model import Block, Transformer, make_cache
+from .model import Block, Transformer, check_count, make_cache
 from .quant import quantize_model
 from .sparse_mlp import calibrate_thresholds, sparse_mlps
 
@@ -80,10 +84,7 @@ class Sampling:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(
-                f"temperature must be >= 0, got {self.temperature}; use 0 for greedy decoding."
-            )
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
     @property
     def greedy(self) -> bool:
@@ -284,9 +285,10 @@ def early_exit_draft(model: Transformer, n_layers: int) -> ModelDraft:
     final token less often, so acceptance grows with ``n_layers``.
     """
     total = model.config.n_layers
-    if not 1 <= n_layers <= total:
+    whole = isinstance(n_layers, int) and not isinstance(n_layers, bool)
+    if not whole or not 1 <= n_layers <= total:
         raise ValueError(
-            f"n_layers must be between 1 and the model's {total} layers, got {n_layers}."
+            f"n_layers must be between 1 and the model's {total} layers, got {n_layers!r}."
         )
     return ModelDraft(
         model_with_layers(model, model.layers[:n_layers]), name=f"early exit {n_layers}"
@@ -332,6 +334,8 @@ class PromptLookupDraft(Draft):
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1) -> None:
         super().__init__()
+        check_count(ngram, "ngram", fix="e.g. 3")
+        check_count(min_ngram, "min_ngram", fix="e.g. 1")
         if not 1 <= min_ngram <= ngram:
             raise ValueError(
                 f"Need 1 <= min_ngram <= ngram, got min_ngram={min_ngram}, ngram={ngram}; "
@@ -452,11 +456,8 @@ class SpeculativeStats:
 
 
 def check_gamma(gamma: int) -> int:
-    if not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(
-            f"gamma (draft tokens per target pass) must be an integer >= 1, got {gamma}."
-        )
-    return gamma
+    """gamma, the draft tokens per target pass: a whole number >= 1."""
+    return check_count(gamma, "gamma", fix="draft tokens per target pass, e.g. 4")
 
 
 @torch.inference_mode()
@@ -477,14 +478,18 @@ def speculative_generate(
     Greedy (temperature 0) returns the target's greedy tokens; sampling returns tokens with the
     target's distribution (not the same tokens as ``generate`` for a seed: the random numbers
     are used differently). Stops after an end-of-sequence token (included) or
-    ``max_new_tokens``. Returns (new token ids, ``SpeculativeStats``).
+    ``max_new_tokens``. Returns (new token ids, ``SpeculativeStats``). Sampling without
+    ``seed`` draws from torch's global generator. Every argument is checked before any work.
     """
     start_time = time.perf_counter()
     check_gamma(gamma)
     draft = as_draft(draft)
     check_compatible(target, tokenizer, draft)
     sampling = Sampling(temperature, top_k, top_p)
+    check_count(max_new_tokens, "max_new_tokens", fix="ask for at least 1 new token")
+    check_seed(seed)
     ids = encode_prompt(tokenizer, prompt)
+    check_prompt_ids(ids, target.config.vocab_size)
     total = check_length(target, len(ids), max_new_tokens)
     device = target.device
     generator = make_generator(device, seed, sampling=not sampling.greedy)
@@ -563,7 +568,7 @@ def expected_speedup(
     target pass over γ + 1 tokens in the same units (1 on an ideal memory-bound device, where
     the formula is Leviathan et al.'s (1 − α^(γ+1)) / ((1 − α)(γ c + 1))).
     """
-    if cost_ratio < 0 or verify_cost <= 0:
+    if not 0 <= cost_ratio < math.inf or not 0 < verify_cost < math.inf:  # NaN fails too
         raise ValueError(
             f"cost_ratio must be >= 0 and verify_cost > 0, got {cost_ratio} and {verify_cost}."
         )

@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 
 from .bench import interleaved_medians
 from .generate import encode_prompt, generate
-from .model import Transformer, make_cache
+from .model import Transformer, check_count, make_cache
+from .sparsity import check_sparsity
 from .speculative import (
     Draft,
     ModelDraft,
@@ -91,10 +92,16 @@ def make_drafts(
     sparsity: float = 0.5,
     exit_layers: int | None = None,
 ) -> dict[str, Draft]:
-    """The drafts by name; the sparse one is calibrated on 256 tokens of the training text."""
+    """The drafts by name; the sparse one is calibrated on 256 tokens of the training text.
+
+    ``exit_layers``: the early-exit draft's depth (None: three quarters of the layers).
+    """
     unknown = set(names) - set(DRAFTS)
     if unknown:
         raise ValueError(f"Unknown drafts {sorted(unknown)}; choose from {DRAFTS}.")
+    check_sparsity(sparsity)
+    if exit_layers is None:
+        exit_layers = (3 * model.config.n_layers) // 4
     drafts: dict[str, Draft] = {}
     for name in names:
         if name == "prompt-lookup":
@@ -107,7 +114,7 @@ def make_drafts(
             calibration = token_batches(tokenizer, corpus(split="train"), 128, 2)
             drafts[name] = sparse_draft(model, calibration, sparsity)
         else:
-            drafts[name] = early_exit_draft(model, exit_layers or (3 * model.config.n_layers) // 4)
+            drafts[name] = early_exit_draft(model, exit_layers)
     return drafts
 
 
@@ -125,6 +132,11 @@ def step_costs(
     Keys: ``"target step ms"``, ``"verify {γ}"`` (a target pass over γ + 1 tokens) and one key
     per model draft (its single-token step, c). Drafts without a model cost ~0 and are left out.
     """
+    for g in gammas:
+        check_count(g, "gamma")
+    check_count(context, "context")
+    check_count(repeats, "repeats")
+    check_count(warmup, "warmup", minimum=0)
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     prefix = torch.randint(0, vocab, (1, context), generator=gen)
@@ -188,6 +200,9 @@ def bench_speculative(
     is the median over repeats of its summed time over the prompts. ``costs``
     (``step_costs``) supply c and v for the prediction; they are measured when not given.
     """
+    check_bench_counts(gamma, max_new_tokens, repeats, warmup)
+    if not prompts:
+        raise ValueError("No prompts to decode; pass at least one (e.g. chat_prompts()).")
     if costs is None:
         costs = step_costs(target, drafts, (gamma,))
     ids = [encode_prompt(tokenizer, p) for p in prompts]
@@ -240,6 +255,22 @@ def bench_speculative(
     return rows
 
 
+def check_bench_counts(gamma: int, max_new_tokens: int, repeats: int, warmup: int) -> None:
+    """The benchmark's counts: gamma, new tokens and repeats >= 1, warm-up rounds >= 0."""
+    check_count(gamma, "gamma", fix="draft tokens per target pass, e.g. 4")
+    check_count(max_new_tokens, "max_new_tokens")
+    check_count(repeats, "repeats", fix="the benchmark reports the median of the repeats")
+    check_count(warmup, "warmup", minimum=0)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Everything ``run`` can check before it loads the model, as one ValueError."""
+    check_bench_counts(args.gamma, args.max_new_tokens, args.repeats, args.warmup)
+    check_sparsity(args.sparsity)
+    if args.exit_layers is not None:
+        check_count(args.exit_layers, "--exit-layers", fix="the early-exit draft keeps >= 1 layer")
+
+
 def format_rows(rows: list[SpecRow]) -> str:
     head = (
         f"{'draft':<15}{'gamma':>6}{'alpha':>7}{'tok/pass':>9}{'c':>6}{'v':>6}"
@@ -269,8 +300,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .loading import load
+    from .loading import load, resolve_device
 
+    check_arguments(args)
+    resolve_device(args.device)
     model, tokenizer = load(args.model, device=args.device)
     drafts = make_drafts(model, tokenizer, tuple(args.drafts), args.sparsity, args.exit_layers)
     kinds = list(PROMPTS) if args.prompts == "all" else [args.prompts]

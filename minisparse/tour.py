@@ -5,6 +5,10 @@
 3. check minisparse's logits against transformers' own model loaded from the same GGUF;
 4. a first look at the MLP activations: how many are exactly zero (SiLU: almost none);
 5. save one figure and print a short report.
+
+The figure goes to ``minisparse-tour.png`` in minisparse's cache folder (``cache_dir()``; set
+``MINISPARSE_CACHE`` to move it), never into the current directory, unless ``out`` (the
+command's ``--out``) names another file. The tour prints where it went.
 """
 
 from __future__ import annotations
@@ -21,10 +25,16 @@ from .generate import generate
 from .hf import Parity, compare_logits
 from .hooks import mlp_activations, zero_fraction
 from .loading import cache_dir, load, load_hf_reference
-from .model import Transformer, param_bytes
+from .model import Transformer, check_count, param_bytes
 from .plots import activation_histogram
 
 QUESTION = "In one sentence, why does a language model need a KV cache?"
+FIGURE_NAME = "minisparse-tour.png"
+
+
+def figure_path(out: str | Path | None = None) -> Path:
+    """Where the tour saves its figure: ``out`` if given, else the cache folder."""
+    return Path(out).expanduser() if out is not None else cache_dir() / FIGURE_NAME
 
 
 @dataclass
@@ -61,8 +71,13 @@ def describe(model: Transformer) -> str:
     )
 
 
-def run_tour(out: Path = Path("minisparse-tour.png"), max_new_tokens: int = 48) -> dict[str, Any]:
-    """Run the tour, print as it goes, and return the measured numbers."""
+def run_tour(out: str | Path | None = None, max_new_tokens: int = 48) -> dict[str, Any]:
+    """Run the tour, print as it goes, and return the measured numbers.
+
+    The figure goes to ``figure_path(out)``: ``out`` when given, else the cache folder.
+    """
+    out = figure_path(out)
+    check_count(max_new_tokens, "max_new_tokens")
     report: dict[str, Any] = {}
     print("1/5 Loading the embedded SmolLM2-135M-Instruct ...", flush=True)
     t0 = time.perf_counter()

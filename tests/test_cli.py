@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import minisparse
+import minisparse.cli
+import minisparse.loading
 from conftest import save_tiny_hf, tiny_model
 from minisparse.bench import bench_decode, median_time
 from minisparse.cli import main
@@ -136,3 +140,52 @@ def test_predictors_command_trains_saves_and_reports(tmp_path, capsys, monkeypat
     loaded = Predictors.load(out, base)
     assert loaded.ranks == scores["rank"] and len(loaded.ranks) == 2 and loaded.head_keep == 3
     assert 0.0 < scores["mean_recall"] <= 1.0
+
+
+class IdTokenizer:
+    """Stands in for a tokenizer on tiny random models: ids are written as numbers."""
+
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(t) for t in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids)
+
+
+@pytest.fixture
+def tiny_load(monkeypatch):
+    """``load`` gives a tiny random model (context 96) and a number tokenizer."""
+    model = tiny_model(seed=21)
+    monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: (model, IdTokenizer()))
+    return model
+
+
+def test_generate_refuses_a_too_long_prompt_before_echoing_it(tiny_load, capsys):
+    prompt = " ".join(["7"] * 90)
+    assert main(["generate", prompt, "--max-new-tokens", "10"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "shorten the prompt" in captured.err
+
+
+def test_generate_echoes_the_prompt_then_streams(tiny_load, capsys):
+    assert main(["generate", "1 2 3", "--max-new-tokens", "4"]) == 0
+    expected = minisparse.generate(tiny_load, IdTokenizer(), "1 2 3", max_new_tokens=4)
+    assert capsys.readouterr().out == "1 2 3" + IdTokenizer().decode(expected) + "\n"
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), TypeError("bug"), KeyError("k")])
+def test_unexpected_errors_keep_their_traceback(monkeypatch, error):
+    def broken(args):
+        raise error
+
+    monkeypatch.setattr(minisparse.cli, "cmd_info", broken)
+    with pytest.raises(type(error)):
+        main(["info"])
+
+
+@pytest.mark.parametrize("argv", [["--debug", "generate", ""], ["generate", "", "--debug"]])
+def test_debug_shows_the_traceback_of_user_errors(argv):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        main(argv)

@@ -146,3 +146,28 @@ def test_streamer_flushes_held_back_text_at_the_end():
     streamer.put(2)  # ends with U+FFFD: held back, it may be half a character
     streamer.end()
     assert "".join(pieces) == "ab\ufffd\n"
+
+
+def test_sampling_without_a_seed_follows_torch_manual_seed():
+    model = tiny_model(seed=16)
+    kw = {"max_new_tokens": 20, "temperature": 1.0}
+    torch.manual_seed(5)
+    a = generate(model, IdTokenizer(), "1 2 3", **kw)
+    torch.manual_seed(5)
+    b = generate(model, IdTokenizer(), "1 2 3", **kw)
+    torch.manual_seed(6)
+    c = generate(model, IdTokenizer(), "1 2 3", **kw)
+    assert a == b
+    assert a != c  # 20 draws from a near-flat distribution over 97 tokens
+    torch.manual_seed(5)
+    assert generate(model, IdTokenizer(), "1 2 3", seed=5, **kw) == generate(
+        model, IdTokenizer(), "1 2 3", seed=5, **kw
+    )  # a seed gives its own generator, whatever the global state
+
+
+def test_greedy_refuses_sampling_filters():
+    model = tiny_model(seed=17)
+    with pytest.raises(ValueError, match="greedy decoding, which ignores them"):
+        generate(model, IdTokenizer(), "1 2", max_new_tokens=2, top_k=5)
+    with pytest.raises(ValueError, match="greedy decoding, which ignores them"):
+        generate(model, IdTokenizer(), "1 2", max_new_tokens=2, top_p=0.5)
