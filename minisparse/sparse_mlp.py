@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,29 +53,47 @@ def activation_name(act: nn.Module) -> str | None:
     return ACT_NAMES.get(type(act))
 
 
-def kernel_ops(backend: str, device: torch.device):
-    """The module holding gather_gemv / sparse_input_gemv / sparse_ffn for a backend."""
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The kernels a backend name means for weights on ``device``: "cpu" or "triton".
+
+    "auto" is Triton on CUDA and the C fast path elsewhere. Raises a clear error when the
+    kernels cannot run there.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"Unknown backend {backend!r}; use one of {BACKENDS}.")
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "cpu"
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(
-                "backend='cpu' needs the MLP's weights on the CPU; move the model with "
-                ".cpu() or use backend='auto'."
+        return "triton" if device.type == "cuda" else "cpu"
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(
+            "backend='cpu' needs the MLP's weights on the CPU; move the model with "
+            ".cpu() or use backend='auto'."
+        )
+    if backend == "triton":
+        from .kernels.interpreter import triton_available, user_setting
+
+        if not triton_available():
+            raise ImportError(
+                "backend='triton' needs the triton package (Linux: pip install triton); use "
+                "backend='cpu' (or 'auto') on this machine."
             )
+        if device.type != "cuda" and user_setting() is False:
+            raise RuntimeError(
+                "backend='triton' needs CUDA, and no CUDA device holds these weights while "
+                "TRITON_INTERPRET is set to a false value; use backend='cpu' (or 'auto'), move "
+                "the model to a GPU, or unset TRITON_INTERPRET to run the Triton kernels slowly "
+                "on the CPU."
+            )
+    return backend
+
+
+def kernel_ops(backend: str, device: torch.device) -> ModuleType:
+    """The module holding gather_gemv / sparse_input_gemv / sparse_ffn for a backend."""
+    if resolve_backend(backend, device) == "cpu":
         from .kernels import cpu
 
         return cpu
     from . import kernels
 
-    if device.type != "cuda" and not kernels.INTERPRETING:
-        raise RuntimeError(
-            "backend='triton' needs CUDA, and no CUDA device holds these weights; use "
-            "backend='cpu' (or 'auto'), move the model to a GPU, or set TRITON_INTERPRET=1 "
-            "before importing minisparse to run the Triton kernels slowly on the CPU."
-        )
     return kernels
 
 
@@ -82,7 +102,13 @@ class SparseMLP(nn.Module):
 
     Build it from a dense ``MLP`` with either ``threshold`` (|act(gate x)| > threshold) or
     ``select`` (a function x [tokens, dim] -> neuron indices). ``backend``: "auto" (Triton on
-    CUDA, C fast path on CPU), "cpu" or "triton".
+    CUDA, C fast path on CPU), "cpu" or "triton"; the module keeps the name and picks the
+    kernels at each call from where its weights are, so it can be deep-copied, pickled and
+    moved between devices.
+
+    Its ``state_dict`` is the dense MLP's (``gate_proj.weight``, ``up_proj.weight``,
+    ``down_proj.weight`` [dim, ffn]): a sparsified model saves and loads the same checkpoints
+    as the dense one.
     """
 
     def __init__(
@@ -110,8 +136,9 @@ class SparseMLP(nn.Module):
                 "projection's input; take it out first (minisparse.sparsity.remove_thresholds)."
             )
         weight = mlp.gate_proj.weight
-        self.ops = kernel_ops(backend, weight.device)
-        place = self.ops.hugepage_copy if hasattr(self.ops, "hugepage_copy") else torch.clone
+        self.backend = backend
+        ops = kernel_ops(backend, weight.device)
+        place = ops.hugepage_copy if hasattr(ops, "hugepage_copy") else torch.clone
         with torch.no_grad():
             self.register_buffer("W_gate", place(weight.detach()), persistent=False)
             self.register_buffer("W_up", place(mlp.up_proj.weight.detach()), persistent=False)
@@ -125,8 +152,68 @@ class SparseMLP(nn.Module):
         self.last_keep: Tensor | None = None  # the last call's mask [tokens, ffn] (for tests)
 
     @property
+    def ops(self) -> ModuleType:
+        """The kernels for this module's backend and the device its weights are on now."""
+        return kernel_ops(self.backend, self.W_gate.device)
+
+    @property
     def ffn_dim(self) -> int:
         return self.W_gate.shape[0]
+
+    def dense_state(self) -> dict[str, Tensor]:
+        """The weights in the dense MLP's names and layouts (down_proj.weight is [dim, ffn])."""
+        return {
+            "gate_proj.weight": self.W_gate,
+            "up_proj.weight": self.W_up,
+            "down_proj.weight": self.W_down_t.T.contiguous(),
+        }
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        for name, value in self.dense_state().items():
+            destination[prefix + name] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Load the dense MLP's keys into the sparse layout (down_proj.weight transposed)."""
+        targets = {
+            "gate_proj.weight": self.W_gate,
+            "up_proj.weight": self.W_up,
+            "down_proj.weight": self.W_down_t.T,  # a view: copying into it fills W_down_t
+        }
+        for name, target in targets.items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if not isinstance(value, Tensor) or value.shape != target.shape:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {shape}, the "
+                    f"SparseMLP holds {tuple(target.shape)}."
+                )
+                continue
+            with torch.no_grad():
+                target.copy_(value)
+        if strict:
+            for key in state_dict:
+                rest = key[len(prefix) :] if key.startswith(prefix) else None
+                if (
+                    rest is not None
+                    and rest not in targets
+                    and rest.split(".")[0] not in (self._modules)
+                ):
+                    unexpected_keys.append(key)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

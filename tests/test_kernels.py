@@ -7,6 +7,7 @@ and full active sets, random and clustered masks, batch 1 and batch > 1.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zlib
@@ -60,26 +61,53 @@ def randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=gen)
 
 
-def test_interpreter_is_on_without_cuda():
+@pytest.fixture
+def fast_path():
+    """Skip (with the reason) where the compiled CPU loops are not available."""
+    if not cpu.fast_path_available():
+        pytest.skip("no C compiler builds the CPU fast path here; the torch fallback is tested")
+
+
+def test_interpreter_is_the_default_without_cuda_and_sets_nothing():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the kernels compile for the GPU")
+    if "TRITON_INTERPRET" in os.environ:
+        pytest.skip("the user set TRITON_INTERPRET for this run")
     assert kernels.INTERPRETING
-    assert type(kernels.row_sparse._gather_tile_kernel).__name__ == "InterpretedFunction"
+    W, x, idx = torch.randn(9, 7), torch.randn(7), torch.tensor([8, 0])
+    assert torch.allclose(kernels.gather_gemv(W, x, idx), W[idx] @ x, atol=1e-5)
+    # the kernels stay compiled-kind functions: only each CPU launch is interpreted
+    assert type(kernels.row_sparse._gather_tile_kernel).__name__ == "JITFunction"
+    assert "TRITON_INTERPRET" not in os.environ
 
 
-def test_interpreter_switches_on_after_an_earlier_triton_import():
-    code = (
-        "import os; os.environ.pop('TRITON_INTERPRET', None)\n"
-        "import torch, triton, triton.language\n"
+def test_interpreter_runs_after_an_earlier_triton_import_and_leaves_triton_alone(tmp_path):
+    """The user imported triton first; a CPU call of our kernels runs interpreted, and the
+    user's own kernels, triton.language and the environment are as before."""
+    script = tmp_path / "user_code.py"  # @triton.jit needs its function in a file
+    script.write_text(
+        "import os, sys\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "before = dict(os.environ)\n"
+        "import torch, triton, triton.language as tl\n"
+        "from triton.runtime.jit import JITFunction\n"
         "from minisparse import kernels\n"
+        "standard = sys.modules['triton.language.standard']\n"
+        "names = set(vars(standard))\n"
         "W = torch.randn(37, 29); x = torch.randn(29); idx = torch.tensor([3, 0, 36])\n"
         "err = (kernels.gather_gemv(W, x, idx) - W[idx] @ x).abs().max().item()\n"
-        "print(kernels.INTERPRETING, err < 1e-4)\n"
+        "@triton.jit\n"
+        "def user_kernel(p):\n"
+        "    tl.store(p, tl.sum(tl.zeros([4], tl.float32), axis=0))\n"
+        "print(kernels.INTERPRETING, err < 1e-4, dict(os.environ) == before,\n"
+        "      isinstance(user_kernel, JITFunction), isinstance(tl.sum, JITFunction),\n"
+        "      set(vars(standard)) == names)\n"
     )
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the interpreter is not needed")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "True"]
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"] * 6
 
 
 @pytest.mark.parametrize("fn", ALL_GATHER, ids=lambda f: f"{f.__module__}.{f.__name__}")
@@ -241,13 +269,14 @@ def test_sparse_ffn_shapes_property(f, d, seed):
         assert (out.double() - ref).abs().max().item() <= RTOL * max(ref.abs().max().item(), 1.0)
 
 
-def test_cpu_fast_path_is_compiled_here():
-    # the machines this course targets have a C compiler; without one the fallback is tested
-    # by test_cpu_fallback_without_compiler
+def test_cpu_fast_path_builds_wherever_a_compiler_is_found():
+    spec = cpu.find_compiler()
+    if spec is None or cpu.resolve_compiler(spec) is None:
+        pytest.skip("no C compiler here: test_cpu_fallback_without_compiler covers this machine")
     assert cpu.fast_path_available()
 
 
-def test_cpu_prefetch_switch_does_not_change_results():
+def test_cpu_prefetch_switch_does_not_change_results(fast_path):
     gen = torch.Generator().manual_seed(2)
     W, x = randn(300, 257, gen=gen), randn(257, gen=gen)
     idx = torch.randperm(300, generator=gen)[:100]
@@ -255,6 +284,27 @@ def test_cpu_prefetch_switch_does_not_change_results():
     b = cpu.gather_rows_dot(W, x, idx, prefetch=False)
     assert torch.equal(a, b)
     assert rel_err(a[0], gather_gemv_ref(W.double(), x.double(), idx)) <= RTOL
+
+
+def test_cpu_loops_follow_torch_threads(fast_path):
+    """torch.set_num_threads (the CLI's --threads) sets the C loops' team, and the result does
+    not depend on it beyond rounding."""
+    gen = torch.Generator().manual_seed(6)
+    W_t, v = randn(1100, 1000, gen=gen), randn(2, 700, gen=gen)  # above the parallel minimum
+    idx = torch.randperm(1100, generator=gen)[:700]
+    ref = (v.double() @ W_t.double()[idx]).float()
+    old = torch.get_num_threads()
+    try:
+        outs = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            openmp = cpu.load_library().built_with_openmp()
+            assert cpu.fast_path_threads() == (threads if openmp else 1)
+            outs[threads] = cpu.scatter_rows_sum(W_t, v, idx)
+            assert rel_err(outs[threads], ref) <= RTOL
+    finally:
+        torch.set_num_threads(old)
+    assert rel_err(outs[1], outs[2]) <= RTOL
 
 
 def test_hugepage_copy_is_an_aligned_equal_copy():
@@ -271,9 +321,13 @@ def test_cpu_fallback_without_compiler(monkeypatch):
     monkeypatch.setattr(cpu, "load_library", lambda: None)
     ref = gather_gemv_ref(W.double(), x.double(), idx)
     assert rel_err(cpu.gather_gemv(W, x, idx), ref) <= RTOL
+    assert rel_err(cpu.gather_rows_dot(W, x, idx)[0], ref) <= RTOL
     W_t, idx = randn(30, 40, gen=gen), torch.tensor([4, 1, 29])
     ref = sparse_input_gemv_ref(W_t.double(), x.double(), idx=idx)
     assert rel_err(cpu.sparse_input_gemv(W_t, x, idx=idx), ref) <= RTOL
+    assert rel_err(cpu.scatter_rows_sum(W_t, x[idx], idx)[0], ref) <= RTOL
+    assert rel_err(cpu.dense_gemv(W_t, x), x.double() @ W_t.double()) <= RTOL
+    assert cpu.fast_path_threads() == 0
 
 
 def test_missing_compiler_warns_with_the_fix(monkeypatch):
@@ -320,9 +374,25 @@ def test_bad_shapes_and_indices_raise(mod):
         mod.sparse_ffn(x, Wg, Wg, Wg.T, torch.tensor([0]), "silu")
 
 
-def test_triton_on_cpu_without_interpreter_names_the_fix(monkeypatch):
-    from minisparse.kernels import interpreter
+def test_triton_on_cpu_with_interpreter_forbidden_names_the_fix(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not kernels.INTERPRETING
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        kernels.gather_gemv(torch.randn(4, 3), torch.randn(3), torch.tensor([1]))
 
-    monkeypatch.setattr(interpreter, "INTERPRETING", False)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        interpreter.check_launchable(torch.randn(3))
+
+def test_c_loops_refuse_out_of_range_indices_themselves():
+    """The last line of defence: even past the Python checks, the C loops test every index."""
+    lib = cpu.load_library()
+    if lib is None:
+        pytest.skip("no compiled library here")
+    W, x, v, y = torch.randn(4, 8), torch.randn(8), torch.randn(2), torch.zeros(8)
+    for bad in ([0, 4], [-1, 0], [0, 10**12]):
+        idx = torch.tensor(bad)
+        # gather: W [4, 8] (ldw 8), x [1, 8], idx [2] -> y [1, 2]
+        gather = (W.data_ptr(), 4, 8, x.data_ptr(), 1, 8, idx.data_ptr(), 2, y.data_ptr(), 1, 1)
+        # scatter: W_t [4, 8] (ldw 8), v [1, 2], idx [2] -> y [1, 8]
+        scatter = (W.data_ptr(), 4, 8, v.data_ptr(), 1, 2, idx.data_ptr(), 8, y.data_ptr(), 1, 1)
+        assert lib.gather_gemv_f32(*gather) == cpu.BAD_INDEX
+        assert lib.scatter_gemv_f32(*scatter) == cpu.BAD_INDEX
+    assert torch.equal(y, torch.zeros(8))  # refused before writing anything

@@ -1,11 +1,17 @@
-"""How the kernels package sets itself up: without Triton, and with a damaged compiled library."""
+"""How the kernels package sets itself up: without Triton, without a compiler or OpenMP, with a
+damaged compiled library, and without touching the process (environment, triton)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from minisparse.kernels import cpu
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -50,3 +56,151 @@ def test_damaged_compiled_library_is_rebuilt(tmp_path):
     second = run_python(code, MINISPARSE_CACHE=str(tmp_path))
     assert second.stdout.strip() == "True", second.stderr
     assert Path(lib).stat().st_size > 1000
+
+
+def test_library_leaves_environment_and_triton_alone(embedded):
+    """Importing minisparse, the CPU fast path, load() and generation change no environment
+    variable and never import triton; a Triton kernel called on CPU tensors still runs (in the
+    interpreter), and afterwards the environment is still untouched. Each step reports itself,
+    so a failure names the step that changed the process. ``embedded`` fills the session's
+    weight cache first, so the subprocess loads from it in seconds."""
+    code = (
+        "import os, sys\n"
+        "before = dict(os.environ)\n"
+        "def state(step):\n"
+        "    changed = sorted(k for k in set(before) | set(os.environ)\n"
+        "                     if before.get(k) != os.environ.get(k))\n"
+        "    print(step, 'triton' in sys.modules, changed, flush=True)\n"
+        "import torch, minisparse\n"
+        "state('import')\n"
+        "from minisparse.kernels import cpu\n"
+        "W, x, idx = torch.randn(50, 40), torch.randn(40), torch.tensor([1, 7, 49])\n"
+        "assert torch.allclose(cpu.gather_gemv(W, x, idx), W[idx] @ x, atol=1e-5)\n"
+        "cpu.dense_gemv(W.T.contiguous(), torch.randn(40))\n"
+        "state('cpu_fast_path')\n"
+        "model, tokenizer = minisparse.load()\n"
+        "state('load')\n"
+        "minisparse.generate(model, tokenizer, 'Hello', max_new_tokens=2)\n"
+        "state('generate')\n"
+        "from minisparse import kernels\n"
+        "assert torch.allclose(kernels.gather_gemv(W, x, idx), W[idx] @ x, atol=1e-5)\n"
+        "print('triton_on_cpu', 'TRITON_INTERPRET' in os.environ, flush=True)\n"
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    for step in ("import", "cpu_fast_path", "load", "generate"):
+        assert f"{step} False []" in lines, (step, lines)
+    assert "triton_on_cpu False" in lines
+
+
+def test_no_compiler_means_torch_everywhere(tmp_path):
+    """CC names a missing program: one warning, no library, every CPU function still right."""
+    code = (
+        "import warnings, torch\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from minisparse.kernels import cpu\n"
+        "    assert not cpu.fast_path_available()\n"
+        "assert any('Install gcc or clang' in str(w.message) for w in caught), caught\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "W, x = torch.randn(30, 20, generator=g), torch.randn(2, 20, generator=g)\n"
+        "idx = torch.tensor([29, 0, 5, 5])\n"
+        "close = lambda a, b: torch.allclose(a, b, atol=1e-5)\n"
+        "assert close(cpu.gather_gemv(W, x, idx), x @ W[idx].T)\n"
+        "assert close(cpu.gather_rows_dot(W, x, idx), x @ W[idx].T)\n"
+        "Wt = W.T.contiguous()\n"
+        "xi = torch.randn(30, generator=g)\n"
+        "masked = torch.where(xi.abs() > 0.5, xi, torch.zeros_like(xi))\n"
+        "assert close(cpu.sparse_input_gemv(W, xi, threshold=0.5), masked @ W)\n"
+        "assert close(cpu.dense_gemv(Wt, x), x @ Wt)\n"
+        "Wd = torch.randn(30, 20, generator=g)\n"
+        "h = torch.nn.functional.silu(x @ W[idx].T) * (x @ W[idx].T)\n"
+        "assert close(cpu.sparse_ffn(x, W, W, Wd, idx), h @ Wd[idx])\n"
+        "print('ok')\n"
+    )
+    proc = run_python(code, CC="/nonexistent/cc", MINISPARSE_CACHE=str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_fast_path_tests_skip_with_a_reason_without_a_compiler(tmp_path):
+    """The kernel tests that need the compiled loops report a skip, not a failure."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            str(Path(__file__).parent / "test_kernels.py"),
+            "-k",
+            "prefetch_switch or follow_torch_threads or builds_wherever or refuse_out_of_range",
+        ],
+        env={**os.environ, "CC": "/nonexistent/cc", "MINISPARSE_TEST_CACHE": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "4 skipped" in proc.stdout and "SKIPPED" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_compiler_without_openmp_builds_a_single_threaded_library(tmp_path):
+    """A compiler that refuses -fopenmp (stock macOS clang) still gives the fast path, on one
+    thread, with a warning naming the fix."""
+    real = cpu.find_compiler()
+    if real is None or cpu.resolve_compiler(real) is None:
+        pytest.skip("no C compiler here")
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for arg in "$@"; do [ "$arg" = "-fopenmp" ] && exit 1; done\n'
+        f'exec {cpu.resolve_compiler(real).path} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    code = (
+        "import warnings, torch\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from minisparse.kernels import cpu\n"
+        "    lib = cpu.load_library()\n"
+        "assert lib is not None and not lib.built_with_openmp()\n"
+        "assert any('no OpenMP' in str(w.message) for w in caught), caught\n"
+        "torch.set_num_threads(2)\n"
+        "assert cpu.fast_path_threads() == 1\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "Wt, v = torch.randn(1100, 1000, generator=g), torch.randn(2, 1100, generator=g)\n"
+        "assert torch.allclose(cpu.dense_gemv(Wt, v), (v.double() @ Wt.double()).float(),\n"
+        "                      rtol=1e-4, atol=1e-3)\n"
+        "print('ok')\n"
+    )
+    proc = run_python(code, CC=str(wrapper), MINISPARSE_CACHE=str(tmp_path / "cache"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_library_key_follows_compiler_flags_and_cpu(monkeypatch):
+    base = cpu.Compiler(("cc",), "/usr/bin/gcc-12", "gcc 12.2")
+    key = cpu.library_key(base)
+    assert key == cpu.library_key(cpu.Compiler(("cc",), "/usr/bin/gcc-12", "gcc 12.2"))
+    assert key != cpu.library_key(dataclasses.replace(base, path="/opt/gcc-13/bin/gcc"))
+    assert key != cpu.library_key(dataclasses.replace(base, version="gcc 12.3"))
+    assert key != cpu.library_key(dataclasses.replace(base, command=("cc", "-m32")))
+    monkeypatch.setattr(cpu, "FLAG_LADDER", ((),))
+    assert key != cpu.library_key(base)
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu, "cpu_identity", lambda: "another CPU")
+    assert key != cpu.library_key(base)
+
+
+def test_compiler_is_resolved_to_its_real_path():
+    spec = cpu.find_compiler()
+    found = None if spec is None else cpu.resolve_compiler(spec)
+    if found is None:
+        pytest.skip("no C compiler here")
+    assert os.path.isabs(found.path) and os.path.realpath(found.path) == found.path
+    assert found.version
+    assert cpu.resolve_compiler("/nonexistent/cc") is None
+    assert cpu.resolve_compiler("") is None

@@ -117,13 +117,76 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def test_triton_backend_without_cuda_or_interpreter_names_the_fix(monkeypatch):
-    from minisparse import kernels
-
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    monkeypatch.setattr(kernels, "INTERPRETING", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="backend='triton' needs CUDA"):
         S.SparseMLP(tiny().layers[0].mlp, threshold=0.1, backend="triton")
+
+
+def test_sparse_mlp_keeps_a_backend_name_and_picks_kernels_per_call():
+    from minisparse import kernels
+    from minisparse.kernels import cpu
+
+    mlp = tiny().layers[0].mlp
+    sp = S.SparseMLP(mlp, threshold=0.1)
+    assert sp.backend == "auto" and sp.ops is cpu
+    assert S.SparseMLP(mlp, threshold=0.1, backend="triton").ops is kernels
+    assert S.resolve_backend("auto", torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="backend='cpu' needs"):
+        S.resolve_backend("cpu", torch.device("cuda"))
+
+
+def sparsified(seed: int, **kw) -> Transformer:
+    model = tiny(seed=seed)
+    S.sparsify(model, **kw)
+    return model
+
+
+@pytest.mark.parametrize(
+    "kw", [{"thresholds": 0.1}, {"select": lambda layer, x: torch.arange(layer, 70, 3)}]
+)
+def test_sparsified_model_deepcopies(kw):
+    import copy
+
+    model, toks = sparsified(0, **kw), tokens(6)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(toks), model(toks))
+    mlp, twin_mlp = model.layers[0].mlp, twin.layers[0].mlp
+    assert isinstance(twin_mlp, S.SparseMLP) and twin_mlp.W_gate.data_ptr() != mlp.W_gate.data_ptr()
+
+
+def test_sparsified_state_dict_round_trip_gives_identical_outputs(tmp_path):
+    model, toks = sparsified(0, thresholds=0.1), tokens(7)
+    dense_keys = set(tiny(seed=0).state_dict())
+    state = model.state_dict()
+    assert set(state) == dense_keys  # the dense model's names and shapes
+    torch.save(state, tmp_path / "sparse.pt")
+    loaded = torch.load(tmp_path / "sparse.pt", weights_only=True)
+    other = sparsified(1, thresholds=0.1)  # other weights, same structure
+    other.load_state_dict(loaded)
+    dense = tiny(seed=1)
+    dense.load_state_dict(loaded)  # a sparse checkpoint is a dense checkpoint
+    with torch.no_grad():
+        assert torch.equal(other(toks), model(toks))
+        S.sparsify(dense, thresholds=0.1)
+        assert torch.equal(dense(toks), model(toks))
+
+
+def test_sparse_state_dict_refuses_wrong_shapes_and_names():
+    model = sparsified(0, thresholds=0.1)
+    state = model.state_dict()
+    bad = dict(state)
+    bad["layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for layers\.0\.mlp\.down_proj\.weight"):
+        model.load_state_dict(bad)
+    extra = {**state, "layers.0.mlp.bogus": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match="bogus"):
+        model.load_state_dict(extra)
+    missing = {k: v for k, v in state.items() if k != "layers.1.mlp.up_proj.weight"}
+    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.up_proj\.weight"):
+        model.load_state_dict(missing)
 
 
 def test_calibrated_thresholds_hit_the_target_sparsity():

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .interpreter import check_launchable
+from .interpreter import check_launchable, launch
 from .validate import check_sparse_input
 
 BLOCK_N = 64
@@ -62,6 +62,7 @@ def _threshold_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         xv = tl.load(x + b * stride_xb + ks, mask=ks < K, other=0.0).to(tl.float32)
         active = (tl.abs(xv) > threshold) & (ks < K)
+        xv = tl.where(active, xv, 0.0)  # an inactive NaN or inf must not reach 0 * x
         w = tl.load(
             W_t + ks.to(tl.int64)[:, None] * stride_w + ns[None, :],
             mask=active[:, None] & nmask[None, :],
@@ -113,7 +114,9 @@ def sparse_input_gemv(
     or A_b = idx; float32 accumulation.
     Layout: W_t [K, N] is W transposed and contiguous (``down_proj.weight.T.contiguous()``),
     so input channel k's N weights are one contiguous row; x [K] or [B, K].
-    Give exactly one of ``threshold`` (>= 0) and ``idx`` ([n] integer channels in [0, K)).
+    Give exactly one of ``threshold`` (>= 0) and ``idx`` ([n] integer channels in [0, K), any
+    order; a repeated channel is added once per entry). With a threshold a NaN input counts as
+    inactive (``|NaN| > t`` is false), as in the reference.
     Returns [N] or [B, N] in x's dtype.
     """
     check_sparse_input(W_t, x, threshold, idx)
@@ -123,26 +126,28 @@ def sparse_input_gemv(
     K, N = W_t.shape
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, BLOCK_N), x2.shape[0])
-    if idx is not None:
-        if idx.numel() == 0:
-            y.zero_()
-        else:
-            idx = idx.contiguous()
-            _index_kernel[grid](
-                W_t,
-                x2,
-                idx,
-                y,
-                idx.numel(),
-                N,
-                W_t.stride(0),
-                x2.stride(0),
-                y.stride(0),
-                BLOCK_K=BLOCK_K,
-                BLOCK_N=BLOCK_N,
-            )
+    if y.numel() == 0 or (idx is not None and idx.numel() == 0):
+        y.zero_()  # nothing to launch: no outputs, or no active input
+    elif idx is not None:
+        launch(
+            _index_kernel,
+            grid,
+            W_t,
+            x2,
+            idx.contiguous(),
+            y,
+            idx.numel(),
+            N,
+            W_t.stride(0),
+            x2.stride(0),
+            y.stride(0),
+            BLOCK_K=BLOCK_K,
+            BLOCK_N=BLOCK_N,
+        )
     else:
-        _threshold_kernel[grid](
+        launch(
+            _threshold_kernel,
+            grid,
             W_t,
             x2,
             y,

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .column_sparse import sparse_input_gemv
-from .interpreter import check_launchable
+from .interpreter import check_launchable, launch
 from .reference import ACTIVATIONS, apply_activation
 from .row_sparse import gather_gemv
 from .validate import check_ffn
@@ -123,7 +123,8 @@ def sparse_ffn(
     float32 accumulation (atomic adds into a float32 buffer).
     Layout: W_gate, W_up [F, D] (``nn.Linear.weight``) and W_down_t [F, D]
     (``down_proj.weight.T.contiguous()``): neuron j is row j of each; x [D] or [B, D];
-    idx [n] integer neurons in [0, F); act in ("silu", "relu", "gelu").
+    idx [n] integer neurons in [0, F), any order (a repeated neuron is added once per entry);
+    act in ("silu", "relu", "gelu").
     Returns [D] or [B, D] in x's dtype; an empty idx gives zeros.
     """
     check_ffn(x, W_gate, W_up, W_down_t, idx, act)
@@ -133,9 +134,11 @@ def sparse_ffn(
     D = W_gate.shape[1]
     y = torch.zeros(x2.shape[0], D, dtype=torch.float32, device=x.device)
     n = idx.numel()
-    if n:
+    if n and y.numel():
         grid = (triton.cdiv(n, BLOCK_N), x2.shape[0])
-        _fused_ffn_kernel[grid](
+        launch(
+            _fused_ffn_kernel,
+            grid,
             x2,
             W_gate,
             W_up,

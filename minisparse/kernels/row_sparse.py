@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .interpreter import check_launchable
+from .interpreter import check_launchable, launch
 from .validate import check_gather
 
 BLOCK_N = 16
@@ -110,10 +110,20 @@ def gather_gemv_naive(W: Tensor, x: Tensor, idx: Tensor) -> Tensor:
     Returns [n] or [B, n] in x's dtype, accumulated in float32.
     """
     W, x2, idx, y = _prepare(W, x, idx)
-    if idx.numel():
+    if y.numel():
         grid = (idx.numel(), x2.shape[0])
-        _gather_row_kernel[grid](
-            W, x2, idx, y, W.shape[1], W.stride(0), x2.stride(0), y.stride(0), BLOCK_K=BLOCK_K
+        launch(
+            _gather_row_kernel,
+            grid,
+            W,
+            x2,
+            idx,
+            y,
+            W.shape[1],
+            W.stride(0),
+            x2.stride(0),
+            y.stride(0),
+            BLOCK_K=BLOCK_K,
         )
     return _finish(y, x)
 
@@ -123,14 +133,18 @@ def gather_gemv(W: Tensor, x: Tensor, idx: Tensor) -> Tensor:
 
     Math: y[b, i] = sum_k W[idx[i], k] x[b, k], float32 accumulation.
     Layout: W [N, K] row-major so each neuron's K weights are contiguous (one gathered row is
-    one burst of memory); x [K] or [B, K]; idx [n] integer rows in [0, N), any order.
-    Returns [n] or [B, n] in x's dtype. An empty idx gives an empty result.
+    one burst of memory); x [K] or [B, K]; idx [n] integer rows in [0, N), any order (a
+    repeated row gives a repeated output).
+    Returns [n] or [B, n] in x's dtype. An empty idx gives an empty result. CUDA tensors run
+    the compiled kernel, CPU tensors the Triton interpreter (``interpreter.launch``).
     """
     W, x2, idx, y = _prepare(W, x, idx)
     n = idx.numel()
-    if n:
+    if y.numel():
         grid = (triton.cdiv(n, BLOCK_N), x2.shape[0])
-        _gather_tile_kernel[grid](
+        launch(
+            _gather_tile_kernel,
+            grid,
             W,
             x2,
             idx,
