@@ -353,14 +353,20 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        # Building on the meta device (how loading makes an empty model) must run no meta op that
+        # has a Python decomposition (normal_, arange): those import torch._dynamo, and triton.
+        weight = nn.Parameter(torch.empty(config.vocab_size, config.dim))
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer(
-            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta).float(), persistent=False
+            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta).float().to(weight.device),
+            persistent=False,
         )
         self.rope_scale = 1.0  # transformers' "attention_scaling" for scaled RoPE variants
 

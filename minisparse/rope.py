@@ -43,10 +43,13 @@ from torch import Tensor, nn
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
-    """theta_i = theta^(-2i/d) for i = 0 .. d/2 - 1 (the standard RoPE frequencies), float64."""
+    """theta_i = theta^(-2i/d) for i = 0 .. d/2 - 1 (the standard RoPE frequencies), float64.
+
+    Always computed on the CPU (a few numbers; also under a ``torch.device`` context).
+    """
     if head_dim % 2 != 0 or head_dim < 2:
         raise ValueError(f"RoPE needs an even head_dim >= 2, got {head_dim}.")
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -44,6 +44,8 @@ def test_load_and_cpu_kernels_work_without_triton():
 
 
 def test_damaged_compiled_library_is_rebuilt(tmp_path):
+    if not cpu.fast_path_available():
+        pytest.skip("no C compiler here: there is no compiled library to damage")
     code = (
         "import warnings; warnings.simplefilter('error')\n"
         "from minisparse.kernels import cpu\n"

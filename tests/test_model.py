@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from minisparse.kernels.cpu import fast_path_available
 from minisparse.generate import generate
 from minisparse.hf import compare_logits, from_hf, to_hf
 from minisparse.model import (
@@ -197,7 +198,8 @@ def test_streaming_linear_matches_float64(n_in, n_out, bias):
         if bias:
             lin.bias.copy_(torch.randn(n_out, generator=gen))
     use_streaming_gemv(lin)
-    assert lin.streaming and lin.weight.t().is_contiguous()
+    # without a C compiler the switch stays off (one warning) and F.linear computes the same
+    assert lin.streaming == fast_path_available() and lin.weight.t().is_contiguous()
     x = torch.randn(1, 1, n_in, generator=gen)
     with torch.no_grad():
         assert lin.can_stream(x)
@@ -213,7 +215,8 @@ def test_streaming_linear_matches_float64(n_in, n_out, bias):
 
 def test_streaming_decode_equals_torch_decode(embedded):
     model, tokenizer = embedded
-    assert all(m.streaming for m in model.modules() if isinstance(m, Linear))
+    on = fast_path_available()
+    assert all(m.streaming == on for m in model.modules() if isinstance(m, Linear))
     prompt = "Exceptions are raised when"
     fast = generate(model, tokenizer, prompt, max_new_tokens=32)
     use_streaming_gemv(model, False)
@@ -290,6 +293,9 @@ def test_scaled_rope_survives_export(tmp_path):
 
 def test_streaming_path_runs_during_decoding(embedded, monkeypatch):
     from minisparse.kernels import cpu
+
+    if not cpu.fast_path_available():
+        pytest.skip("no C compiler here: decoding stays on F.linear (covered by the other tests)")
 
     model, tokenizer = embedded
     calls = []
