@@ -151,10 +151,12 @@ def bench_decode(
     repeats: int = 5,
     warmup: int = 1,
     progress: bool = True,
+    compiled: bool = True,
 ) -> DecodeResult:
     """Greedy decode tokens/s of minisparse vs transformers, interleaved, median of repeats.
 
     The two loops alternate within each repeat so that machine noise hits both alike.
+    ``compiled`` picks minisparse's decode steps (``generate(compiled=...)``).
     """
     from .generate import encode_prompt, generate, stop_ids
 
@@ -166,7 +168,9 @@ def bench_decode(
             return hf_greedy(hf_model, ids, max_new_tokens, eos)
 
     runs = {
-        "minisparse": lambda: generate(model, tokenizer, ids, max_new_tokens=max_new_tokens),
+        "minisparse": lambda: generate(
+            model, tokenizer, ids, max_new_tokens=max_new_tokens, compiled=compiled
+        ),
         "transformers": theirs,
     }
     speeds = interleaved_decode(runs, repeats, warmup, progress)

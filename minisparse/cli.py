@@ -120,7 +120,7 @@ def cmd_tour(args: argparse.Namespace) -> int:
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from .bench import bench_decode
     from .loading import load, load_hf_reference
-    from .model import use_output_major_weights, use_streaming_gemv
+    from .model import use_streaming_gemv
 
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; give some text to decode after.")
@@ -135,18 +135,17 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         f"prompt: {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, batch 1, "
         f"{torch.get_num_threads()} threads, median of {args.repeats} after warm-up"
     )
-    variants = {
-        "minisparse (default: streaming GEMV)": lambda m: m,
-        "minisparse (input-major, torch GEMV)": lambda m: use_streaming_gemv(m, False),
-        "minisparse (output-major, torch GEMV)": lambda m: use_output_major_weights(
-            use_streaming_gemv(m, False)
-        ),
+    variants = {  # name: (set the model up, compiled decode steps)
+        "minisparse (default: compiled step)": (lambda m: m, True),
+        "minisparse (torch modules, F.linear)": (lambda m: m, False),
+        "minisparse (torch modules, streaming)": (use_streaming_gemv, False),
     }
     same = True
-    for name, setup in variants.items():
+    for name, (setup, compiled) in variants.items():
         r = bench_decode(
-            setup(model), tokenizer, hf_model, args.prompt, args.max_new_tokens, args.repeats
-        )
+            setup(model), tokenizer, hf_model, args.prompt, args.max_new_tokens, args.repeats,
+            compiled=compiled,
+        )  # fmt: skip
         same = same and r.same_tokens
         print(
             f"{name:38s} {r.minisparse_tok_s:6.1f} tok/s | transformers "

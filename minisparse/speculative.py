@@ -66,6 +66,7 @@ from .generate import (
     make_generator,
     stop_ids,
 )
+from .decode import Decoder
 from .model import Block, Transformer, check_count, make_cache
 from .quant import quantize_model
 from .sparse_mlp import calibrate_thresholds, sparse_mlps
@@ -219,12 +220,14 @@ class ModelDraft(Draft):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.vocab_size = model.config.vocab_size
         self.cache: nn.ModuleList | None = None
+        self.decoder: Decoder | None = None
         self.cached: list[int] = []
 
     def reset(self, max_seq_len: int) -> None:
         super().reset(max_seq_len)
         m = self.model
         self.cache = make_cache(m.config, 1, max_seq_len, m.dtype, m.device)
+        self.decoder = Decoder(m, self.cache) if Decoder.supports(m) else None
         self.cached = []
 
     @torch.inference_mode()
@@ -246,7 +249,11 @@ class ModelDraft(Draft):
         out: list[int] = []
         qs: list[Tensor] = []
         for _ in range(gamma):
-            logits = self.model.lm_head(self.model.hidden_states(tokens, pos, self.cache)[0, -1])
+            if self.decoder is not None and out:  # one new token: the compiled step
+                logits = self.decoder.step(out[-1], int(pos[0]))
+            else:
+                hidden = self.model.hidden_states(tokens, pos, self.cache)
+                logits = self.model.lm_head(hidden[0, -1])
             self.calls += 1
             if sampling.greedy:
                 token = int(logits.argmax())

@@ -102,7 +102,7 @@ def test_corrupt_weight_cache_is_rebuilt(tmp_path, monkeypatch, embedded):
     # rebuilding means dequantizing the GGUF again; a tiny stand-in keeps the test fast
     monkeypatch.setattr(loading, "hf_from_gguf", lambda path: tiny_hf_and_tokenizer(embedded[1]))
     with pytest.warns(UserWarning, match="corrupt"):
-        rebuilt, _ = load(fast_decode=False)
+        rebuilt, _ = load()
     assert rebuilt.config.dim == 32  # it was rebuilt from the source, not read from the stub
     again = loading.load_cached(weights, {})  # the rewritten file is whole and equal
     assert again is not None and torch.equal(again.embed.weight, rebuilt.embed.weight)
@@ -222,7 +222,7 @@ def slow_tiny_build(path):
     return LlamaForCausalLM(config).eval(), loading.tokenizer_from_gguf(path)
 
 loading.hf_from_gguf = slow_tiny_build
-model, _ = loading.load(fast_decode=False)
+model, _ = loading.load()
 print(float(model.embed.weight.sum()))
 """
 

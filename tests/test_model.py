@@ -213,18 +213,28 @@ def test_streaming_linear_matches_float64(n_in, n_out, bias):
     assert not lin.can_stream(x)
 
 
-def test_streaming_decode_equals_torch_decode(embedded):
+def test_streaming_gemv_decode_equals_torch_decode(embedded, monkeypatch):
+    """Chapter 07's streaming GEMV switched on for torch-module decoding: the same 16 tokens as
+    F.linear, and it really runs (7 projections per layer + the LM head per single-token step,
+    plus the LM head on the prefill's last position)."""
+    from minisparse.kernels import cpu
+
     model, tokenizer = embedded
-    on = fast_path_available()
-    assert all(m.streaming == on for m in model.modules() if isinstance(m, Linear))
     prompt = "Exceptions are raised when"
-    fast = generate(model, tokenizer, prompt, max_new_tokens=32)
-    use_streaming_gemv(model, False)
+    plain = generate(model, tokenizer, prompt, max_new_tokens=16, compiled=False)
+    calls = []
+    real = cpu.dense_gemv
+    monkeypatch.setattr(cpu, "dense_gemv", lambda W_t, x: calls.append(1) or real(W_t, x))
+    use_streaming_gemv(model, True)
     try:
-        plain = generate(model, tokenizer, prompt, max_new_tokens=32)
+        on = fast_path_available()
+        assert all(m.streaming == on for m in model.modules() if isinstance(m, Linear))
+        fast = generate(model, tokenizer, prompt, max_new_tokens=16, compiled=False)
     finally:
-        use_streaming_gemv(model, True)
-    assert fast == plain and len(fast) == 32
+        use_output_major_weights(use_streaming_gemv(model, False))  # as load() made it
+    assert fast == plain and len(fast) == 16
+    assert len(calls) == (15 * (7 * model.config.n_layers + 1) + 1 if on else 0)
+    assert model.layers[0].mlp.up_proj.weight.is_contiguous()
 
 
 def test_offset_positions_without_cache_stay_causal():
@@ -289,19 +299,3 @@ def test_scaled_rope_survives_export(tmp_path):
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, 90, (1, 120), generator=torch.Generator().manual_seed(55))
     assert compare_logits(model, reloaded, tokens).max_abs_diff <= 1e-5
-
-
-def test_streaming_path_runs_during_decoding(embedded, monkeypatch):
-    from minisparse.kernels import cpu
-
-    if not cpu.fast_path_available():
-        pytest.skip("no C compiler here: decoding stays on F.linear (covered by the other tests)")
-
-    model, tokenizer = embedded
-    calls = []
-    real = cpu.dense_gemv
-    monkeypatch.setattr(cpu, "dense_gemv", lambda W_t, x: calls.append(1) or real(W_t, x))
-    generate(model, tokenizer, "The for statement", max_new_tokens=3)  # prefill: F.linear
-    per_step = 7 * model.config.n_layers + 1
-    # two single-token steps after the prefill, plus the LM head on the prefill's last position
-    assert len(calls) == 2 * per_step + 1

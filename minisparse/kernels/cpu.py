@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -314,10 +315,10 @@ def resolve_compiler(spec: str) -> Compiler | None:
     return Compiler(command, path, (proc.stdout + proc.stderr).strip())
 
 
-def library_key(compiler: Compiler) -> str:
+def library_key(compiler: Compiler, source: str = C_SOURCE) -> str:
     """Hash of everything the compiled file depends on: source, compiler, flags, platform, CPU."""
     parts = [
-        C_SOURCE,
+        source,
         " ".join(compiler.command),
         compiler.path,
         compiler.version,
@@ -329,15 +330,15 @@ def library_key(compiler: Compiler) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _compile(compiler: Compiler, out: Path) -> None:
-    """Compile C_SOURCE to the shared library ``out`` with the first flags of FLAG_LADDER the
+def _compile(compiler: Compiler, out: Path, source: str = C_SOURCE) -> None:
+    """Compile ``source`` to the shared library ``out`` with the first flags of FLAG_LADDER the
     compiler accepts (atomically: a temporary file, then a rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "sparse_gemv.c"
-        src.write_text(C_SOURCE)
+        src = Path(tmp) / "source.c"
+        src.write_text(source)
         lib = Path(tmp) / out.name
-        base = [*compiler.command, *BASE_FLAGS, str(src), "-o", str(lib)]
+        base = [*compiler.command, *BASE_FLAGS, str(src), "-o", str(lib), "-lm"]
         last_error = ""
         for extra in FLAG_LADDER:
             proc = subprocess.run(
@@ -350,15 +351,15 @@ def _compile(compiler: Compiler, out: Path) -> None:
         raise RuntimeError(last_error)
 
 
-def _open(compiler: Compiler, path: Path) -> ctypes.CDLL:
+def _open(compiler: Compiler, path: Path, source: str = C_SOURCE) -> ctypes.CDLL:
     """The library at ``path``, compiled first when missing or damaged."""
     if not path.exists():
-        _compile(compiler, path)
+        _compile(compiler, path, source)
     try:
         return ctypes.CDLL(str(path))
     except OSError:  # a damaged file (an interrupted copy, a full disk): build it again
         path.unlink(missing_ok=True)
-        _compile(compiler, path)
+        _compile(compiler, path, source)
         return ctypes.CDLL(str(path))
 
 
@@ -405,6 +406,30 @@ def load_library() -> ctypes.CDLL | None:
             "llvm, then CC=$(brew --prefix llvm)/bin/clang) for the parallel fast path.",
             stacklevel=3,
         )
+    return lib
+
+
+def load_source_library(
+    filename: str, declare: Callable[[ctypes.CDLL], None]
+) -> ctypes.CDLL | None:
+    """Another C file of this package (e.g. ``decode_step.c``), compiled like the sparse
+    loops (same compiler, flags and cache key rules) and declared by ``declare``; None when the
+    fast path is unavailable (after the one warning ``load_library`` gives)."""
+    if load_library() is None:
+        return None
+    compiler = resolve_compiler(find_compiler() or "")
+    source = (Path(__file__).parent / filename).read_text()
+    key = library_key(compiler, source)
+    try:
+        lib = _open(compiler, cache_dir() / f"{Path(filename).stem}_{key}.so", source)
+        declare(lib)
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
+        warnings.warn(
+            f"Compiling minisparse's {filename} with {compiler.path!r} failed ({err}); the "
+            "torch path runs instead.",
+            stacklevel=3,
+        )
+        return None
     return lib
 
 

@@ -1,0 +1,439 @@
+"""Fast single-token decoding on a CPU: each half of a block is one compiled call.
+
+A decode step at batch 1 reads every weight once and does two flops per weight, so its time
+floor is ``bytes of weights / memory bandwidth``. Run as torch modules, a step of a 30-layer
+model is also ~400 small operator calls (norms, views, rotations, a softmax, residual adds),
+each paying Python and dispatch costs in the tens of microseconds, and each parallel region
+waking its threads again: milliseconds per token before any weight is read.
+
+``Decoder`` removes that overhead without changing the model. It reads the model's own weights
+(``nn.Linear`` layout, no copies) and KV cache, and for every block runs
+
+    x += Attn(in(RMSNorm(x)))      one call of ``attn_step``  (q/k/v, RoPE, cache write,
+                                   softmax over the cache, o_proj, residual)
+    x += MLP(in(RMSNorm(x)))       one call of ``mlp_step`` (dense) or ``sparse_mlp_step``
+                                   (a ``SparseMLP``: threshold or predictor, active rows only)
+
+in C (``minisparse/kernels/decode_step.c``), each call one OpenMP parallel region whose threads
+split the rows of every matrix between them. Scratch memory is allocated once per decoder.
+
+Anything the C step does not know runs as torch, block half by block half, so the decoder
+computes exactly what ``model(tokens, input_pos, cache)`` computes for every model the course
+builds: a hook on a module (measurements), a LoRA or quantized projection, a non-static cache
+(paged, sinks, H2O), an unknown activation. ``Decoder.plan`` says which halves run where.
+Without a C compiler (``minisparse.kernels.cpu.fast_path_available()``) every half runs as torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .kernels.cpu import load_source_library
+from .model import MLP, Attention, Block, KVCache, Linear, RMSNorm, Transformer
+from .rope import rope_cos_sin
+from .sparse_mlp import SparseMLP
+from .sparsity import MagnitudeThreshold
+
+ACT_CODES = {"silu": 0, "relu": 1, "gelu": 2}
+
+
+class Slot(ctypes.Structure):
+    _fields_ = [("relu", ctypes.c_int32), ("threshold", ctypes.c_float)]
+
+
+_f = ctypes.POINTER(ctypes.c_float)
+_i64, _flt, _i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+
+
+class AttnLayer(ctypes.Structure):
+    _fields_ = [
+        *[(n, _i64) for n in ("dim", "n_heads", "n_kv_heads", "head_dim", "max_seq")],
+        ("eps", _flt),
+        ("rope_scale", _flt),
+        *[(n, ctypes.c_void_p) for n in ("norm", "inv_freq", "wq", "wk", "wv", "wo")],
+        *[(n, ctypes.c_void_p) for n in ("bq", "bk", "bv", "bo", "k_cache", "v_cache")],
+        ("input", Slot),
+    ]
+
+
+class MlpLayer(ctypes.Structure):
+    _fields_ = [
+        ("dim", _i64),
+        ("ffn", _i64),
+        ("eps", _flt),
+        *[(n, ctypes.c_void_p) for n in ("norm", "wg", "wu", "wd", "bg", "bu", "bd")],
+        ("act", _i32),
+        ("act_threshold", _flt),
+        ("input", Slot),
+        ("down_in", Slot),
+    ]
+
+
+class SparseMlpLayer(ctypes.Structure):
+    _fields_ = [
+        ("dim", _i64),
+        ("ffn", _i64),
+        ("rank", _i64),
+        ("eps", _flt),
+        *[(n, ctypes.c_void_p) for n in ("norm", "wg", "wu", "wd_t")],
+        ("act", _i32),
+        ("input", Slot),
+        ("threshold", _flt),
+        *[(n, ctypes.c_void_p) for n in ("pu", "pu_bias", "pv", "pv_bias")],
+        ("predictor_relu", _i32),
+        ("cutoff", _flt),
+    ]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.attn_scratch.argtypes, lib.attn_scratch.restype = [i64] * 5, i64
+    lib.mlp_scratch.argtypes, lib.mlp_scratch.restype = [i64, i64], i64
+    lib.sparse_mlp_scratch.argtypes = [i64, i64, i64, c_int]
+    lib.sparse_mlp_scratch.restype = i64
+    lib.attn_step.argtypes, lib.attn_step.restype = [p, p, i64, p, c_int], c_int
+    lib.mlp_step.argtypes, lib.mlp_step.restype = [p, p, p, c_int], c_int
+    lib.sparse_mlp_step.argtypes, lib.sparse_mlp_step.restype = [p, p, p, c_int], i64
+    lib.lm_head_step.argtypes = [p, p, ctypes.c_float, p, i64, i64, p, p, c_int]
+    lib.lm_head_step.restype = None
+
+
+@functools.lru_cache(maxsize=1)
+def decode_library() -> ctypes.CDLL | None:
+    """The compiled decode step, or None without a C compiler (one warning, from ``cpu``)."""
+    return load_source_library("decode_step.c", _declare)
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+
+def slot_of(module: nn.Module) -> Slot | None:
+    """An activation slot as the C step applies it (Identity, ReLU, a magnitude threshold on
+    either), or None for anything else."""
+    if _hooked(module):
+        return None
+    if isinstance(module, MagnitudeThreshold):
+        inner = slot_of(module.inner)
+        if inner is None or inner.threshold >= 0:
+            return None
+        return Slot(inner.relu, module.threshold)
+    if type(module) is nn.Identity:
+        return Slot(0, -1.0)
+    if type(module) is nn.ReLU:
+        return Slot(1, -1.0)
+    return None
+
+
+def activation_of(module: nn.Module) -> tuple[int, float] | None:
+    """(ACT code, threshold or -1) for an MLP's ``act``: SiLU/ReLU/exact GELU, optionally inside a
+    ``MagnitudeThreshold`` (CATS on the gate); None for anything else."""
+    if _hooked(module):
+        return None
+    threshold = -1.0
+    if isinstance(module, MagnitudeThreshold):
+        module, threshold = module.inner, module.threshold
+        if _hooked(module):
+            return None
+    if type(module) is nn.SiLU:
+        return ACT_CODES["silu"], threshold
+    if type(module) is nn.ReLU:
+        return ACT_CODES["relu"], threshold
+    if type(module) is nn.GELU and module.approximate == "none":
+        return ACT_CODES["gelu"], threshold
+    return None
+
+
+def _plain_f32(*tensors: Tensor | None) -> bool:
+    """All given tensors are contiguous float32 CPU tensors (None counts as fine)."""
+    return all(
+        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+        for t in tensors
+    )
+
+
+def _linear_ok(lin: nn.Module) -> bool:
+    return type(lin) in (Linear, nn.Linear) and not _hooked(lin) and _plain_f32(lin.weight, lin.bias)
+
+
+def attn_layer(layer: Block, cache: object, model: Transformer) -> AttnLayer | None:
+    """The C description of a block's attention half, or None when torch must run it."""
+    attn, c = layer.attn, model.config
+    slot = slot_of(layer.attn_in_act)
+    if (
+        type(attn) is not Attention
+        or type(layer.attn_norm) is not RMSNorm
+        or _hooked(attn, layer.attn_norm)
+        or slot is None
+        or not all(_linear_ok(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        or type(cache) is not KVCache
+        or cache.k.shape[0] != 1
+        or not _plain_f32(cache.k, cache.v, layer.attn_norm.weight, model.inv_freq)
+    ):
+        return None
+    return AttnLayer(
+        c.dim,
+        c.n_heads,
+        c.n_kv_heads,
+        c.head_dim,
+        cache.max_seq_len,
+        layer.attn_norm.eps,
+        model.rope_scale,
+        _ptr(layer.attn_norm.weight),
+        _ptr(model.inv_freq),
+        *[_ptr(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
+        *[_ptr(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
+        _ptr(cache.k),
+        _ptr(cache.v),
+        slot,
+    )
+
+
+def mlp_layer(layer: Block) -> MlpLayer | SparseMlpLayer | None:
+    """The C description of a block's MLP half (dense or sparse), or None for torch."""
+    mlp, norm = layer.mlp, layer.mlp_norm
+    slot = slot_of(layer.mlp_in_act)
+    if type(norm) is not RMSNorm or _hooked(norm, mlp) or slot is None or not _plain_f32(norm.weight):
+        return None
+    if type(mlp) is SparseMLP:
+        return sparse_mlp_layer(mlp, norm, slot)
+    if type(mlp) is not MLP:
+        return None
+    act, down_in = activation_of(mlp.act), slot_of(mlp.down_in_act)
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if act is None or down_in is None or not all(_linear_ok(p) for p in projections):
+        return None
+    return MlpLayer(
+        mlp.down_proj.out_features,
+        mlp.gate_proj.out_features,
+        norm.eps,
+        _ptr(norm.weight),
+        *[_ptr(p.weight) for p in projections],
+        *[_ptr(p.bias) for p in projections],
+        act[0],
+        act[1],
+        slot,
+        down_in,
+    )
+
+
+def predictor_of(mlp: SparseMLP) -> nn.Module | None:
+    """The ``Predictor`` behind a SparseMLP's ``select`` when it is ``Predictors.select`` of
+    one layer (what ``sparsify(model, select=predictors.select)`` makes), else None."""
+    from .predictors import Predictor, Predictors
+
+    select = mlp.select
+    if not isinstance(select, functools.partial) or len(select.args) != 1 or select.keywords:
+        return None
+    owner = getattr(select.func, "__self__", None)
+    if not isinstance(owner, Predictors) or select.func.__func__ is not Predictors.select:
+        return None
+    if owner.lookahead:
+        return None
+    predictor = owner.neurons[select.args[0]]
+    if type(predictor) is not Predictor or _hooked(predictor, predictor.down, predictor.up):
+        return None
+    return predictor
+
+
+def sparse_mlp_layer(mlp: SparseMLP, norm: RMSNorm, slot: Slot) -> SparseMlpLayer | None:
+    act = activation_of(mlp.act)
+    if act is None or act[1] >= 0 or not _plain_f32(mlp.W_gate, mlp.W_up, mlp.W_down_t):
+        return None
+    dim, ffn = mlp.W_down_t.shape[1], mlp.W_down_t.shape[0]
+    common = (dim, ffn)
+    if mlp.threshold is not None:
+        return SparseMlpLayer(
+            *common, 0, norm.eps, _ptr(norm.weight),
+            _ptr(mlp.W_gate), _ptr(mlp.W_up), _ptr(mlp.W_down_t),
+            act[0], slot, mlp.threshold, None, None, None, None, 0, 0.0,
+        )  # fmt: skip
+    predictor = predictor_of(mlp)
+    if predictor is None:
+        return None
+    down, up = predictor.down, predictor.up
+    if not _plain_f32(down.weight, down.bias, up.weight, up.bias) or up.bias is None:
+        return None
+    return SparseMlpLayer(
+        *common, predictor.rank, norm.eps, _ptr(norm.weight),
+        _ptr(mlp.W_gate), _ptr(mlp.W_up), _ptr(mlp.W_down_t),
+        act[0], slot, 0.0, _ptr(down.weight), _ptr(down.bias), _ptr(up.weight), _ptr(up.bias),
+        int(predictor.kind == "mlp"), float(predictor.cutoff),
+    )  # fmt: skip
+
+
+@dataclass
+class Half:
+    """One half of one block: the C description, or None when torch runs it."""
+
+    layer: int
+    part: str  # "attn" or "mlp"
+    c: ctypes.Structure | None
+
+    @property
+    def where(self) -> str:
+        return "C" if self.c is not None else "torch"
+
+
+class Decoder:
+    """Single-token decode steps of ``model`` with the per-layer compiled calls.
+
+    ``cache`` is the per-layer KV cache the prompt was prefilled into (``make_cache``); the
+    decoder writes each new token's keys and values there too. ``step(token, pos)`` returns the
+    logits of the next token [vocab] in a buffer that the next step overwrites. Build it after
+    the model is in its final state (sparsified, quantized, hooked): the plan is made once.
+    """
+
+    def __init__(self, model: Transformer, cache: Sequence[object]) -> None:
+        if not Decoder.supports(model):
+            raise ValueError(
+                "Decoder runs float32 models on the CPU; use model(tokens, input_pos, cache) "
+                "for other devices and dtypes."
+            )
+        self.model, self.cache = model, cache
+        c = model.config
+        lib = decode_library()
+        self.lib = lib
+        usable = lib is not None and not _global_hooks() and not _hooked(model)
+        self.halves: list[Half] = []
+        self.whole_layer: list[bool] = []  # layers that run as one torch Block call
+        for i, layer in enumerate(model.layers):
+            plain = usable and type(layer) is Block and not _hooked(layer)
+            self.whole_layer.append(not plain)
+            attn = attn_layer(layer, cache[i], model) if plain else None
+            self.halves += [Half(i, "attn", attn), Half(i, "mlp", mlp_layer(layer) if plain else None)]
+        head, norm = model.lm_head, model.norm
+        self.c_head = (
+            usable
+            and _linear_ok(head)
+            and head.bias is None
+            and type(norm) is RMSNorm
+            and not _hooked(norm)
+            and _plain_f32(norm.weight)
+        )
+        self.threads = max(1, torch.get_num_threads())
+        sizes = [c.dim]
+        for h in self.halves:
+            if isinstance(h.c, AttnLayer):
+                sizes.append(lib.attn_scratch(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, h.c.max_seq))
+            elif isinstance(h.c, MlpLayer):
+                sizes.append(lib.mlp_scratch(h.c.dim, h.c.ffn))
+            elif isinstance(h.c, SparseMlpLayer):
+                sizes.append(lib.sparse_mlp_scratch(h.c.dim, h.c.ffn, h.c.rank, self.threads))
+        with torch.inference_mode(False):  # normal tensors: usable inside and outside it
+            self.scratch = torch.empty(max(sizes), dtype=torch.float32)
+            self.x = torch.empty(c.dim, dtype=torch.float32)
+            self.logits = torch.empty(c.vocab_size, dtype=torch.float32)
+        self._refs = [None if h.c is None else ctypes.byref(h.c) for h in self.halves]
+
+    @staticmethod
+    def supports(model: Transformer) -> bool:
+        """True for a float32 model on the CPU (the decoder's buffers are float32)."""
+        return model.device.type == "cpu" and model.dtype == torch.float32
+
+    def plan(self) -> list[str]:
+        """Where each half runs, e.g. ['0.attn: C', '0.mlp: torch', ...]."""
+        return [f"{h.layer}.{h.part}: {h.where}" for h in self.halves]
+
+    @torch.no_grad()
+    def step(self, token: int, pos: int, times: dict[str, float] | None = None) -> Tensor:
+        """Logits [vocab] for ``token`` at position ``pos`` (0-based), cache updated.
+
+        ``times``, when given, accumulates the seconds spent in each part of the step
+        ("embedding", "attention", "mlp", "sparse mlp", "torch", "lm head").
+        """
+        clock = Clock(times)
+        torch.index_select(
+            self.model.embed.weight, 0, torch.tensor([token]), out=self.x.view(1, -1)
+        )
+        clock("embedding")
+        for i in range(len(self.model.layers)):
+            if self.whole_layer[i]:
+                self._torch_layer(i, pos)
+                clock("torch")
+                continue
+            clock(self._attention(i, pos))
+            clock(self._mlp(i, pos))
+        clock(self._head())
+        return self.logits
+
+    def _torch_layer(self, i: int, pos: int) -> None:
+        x = self.x.view(1, 1, -1)
+        out = self.model.layers[i](x, *self._cos_sin(pos), torch.tensor([pos]), self.cache[i])
+        self.x.copy_(out[0, 0])
+
+    def _attention(self, i: int, pos: int) -> str:
+        if self._refs[2 * i] is None:
+            layer, x = self.model.layers[i], self.x.view(1, 1, -1)
+            n = layer.attn_in_act(layer.attn_norm(x))
+            x += layer.attn(n, *self._cos_sin(pos), torch.tensor([pos]), self.cache[i])
+            return "torch"
+        ptrs = (self.x.data_ptr(), pos, self.scratch.data_ptr(), self.threads)
+        if self.lib.attn_step(self._refs[2 * i], *ptrs):
+            raise ValueError(f"Position {pos} does not fit in the KV cache of layer {i}.")
+        return "attention"
+
+    def _mlp(self, i: int, pos: int) -> str:
+        half, ref = self.halves[2 * i + 1], self._refs[2 * i + 1]
+        if ref is None:
+            layer, x = self.model.layers[i], self.x.view(1, 1, -1)
+            x += layer.mlp(layer.mlp_in_act(layer.mlp_norm(x)))
+            return "torch"
+        ptrs = (self.x.data_ptr(), self.scratch.data_ptr(), self.threads)
+        if isinstance(half.c, SparseMlpLayer):
+            mlp = self.model.layers[i].mlp
+            mlp.last_density, mlp.last_keep = self.lib.sparse_mlp_step(ref, *ptrs) / half.c.ffn, None
+            return "sparse mlp"
+        self.lib.mlp_step(ref, *ptrs)
+        return "mlp"
+
+    def _head(self) -> str:
+        model, x = self.model, self.x
+        if not self.c_head:
+            self.logits.copy_(model.lm_head(model.norm(x.view(1, 1, -1)))[0, 0])
+            return "torch"
+        self.lib.lm_head_step(
+            x.data_ptr(), model.norm.weight.data_ptr(), model.norm.eps,
+            model.lm_head.weight.data_ptr(), self.logits.numel(), x.numel(),
+            self.scratch.data_ptr(), self.logits.data_ptr(), self.threads,
+        )  # fmt: skip
+        return "lm head"
+
+    def _cos_sin(self, pos: int) -> tuple[Tensor, Tensor]:
+        """cos/sin of position ``pos`` for the halves torch runs (as ``hidden_states`` makes them)."""
+        model = self.model
+        cos, sin = rope_cos_sin(model.inv_freq, torch.tensor([pos]), torch.float32)
+        if model.rope_scale != 1.0:
+            cos, sin = cos * model.rope_scale, sin * model.rope_scale
+        return cos, sin
+
+
+class Clock:
+    """Adds the time since the last call to ``times[name]`` (does nothing when times is None)."""
+
+    def __init__(self, times: dict[str, float] | None) -> None:
+        self.times = times
+        self.last = time.perf_counter() if times is not None else 0.0
+
+    def __call__(self, name: str) -> None:
+        if self.times is not None:
+            now = time.perf_counter()
+            self.times[name] = self.times.get(name, 0.0) + now - self.last
+            self.last = now

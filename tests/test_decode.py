@@ -1,0 +1,186 @@
+"""The compiled decode step against the model's own cached forward, on fresh random models.
+
+Every case prefills a prompt into two caches, then decodes the same tokens with
+``model(token, pos, cache)`` and with ``Decoder.step``, and compares the logits of every step
+(float32 rounding apart, the same numbers) and the plan (which halves ran as C).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model
+from minisparse import decode
+from minisparse.decode import Decoder
+from minisparse.generate import generate
+from minisparse.kernels.cpu import fast_path_available
+from minisparse.kvcache import make_kv_cache
+from minisparse.model import make_cache
+from minisparse.predictors import Predictor, Predictors, init_random
+from minisparse.sparse_mlp import sparsify
+from minisparse.sparsity import MagnitudeThreshold
+
+needs_compiler = pytest.mark.skipif(
+    not fast_path_available(), reason="no C compiler here: every half runs as torch"
+)
+
+
+def decode_both(model, steps=8, prompt=6, seed=0, cache="static"):
+    """(reference logits, decoder logits, decoder) for ``steps`` tokens after a prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (1, prompt + steps), generator=gen)
+    length = prompt + steps + 2
+    with torch.inference_mode():
+        ref_cache = make_kv_cache(cache, model.config, length)
+        dec_cache = make_kv_cache(cache, model.config, length)
+        model(tokens[:, :prompt], torch.arange(prompt), ref_cache)
+        model(tokens[:, :prompt], torch.arange(prompt), dec_cache)
+        decoder = Decoder(model, dec_cache)
+        ref, got = [], []
+        for p in range(prompt, prompt + steps):
+            ref.append(model(tokens[:, p : p + 1], torch.tensor([p]), ref_cache)[0, 0].clone())
+            got.append(decoder.step(int(tokens[0, p]), p).clone())
+    return torch.stack(ref), torch.stack(got), decoder
+
+
+def assert_close(ref, got):
+    err = (ref.double() - got.double()).abs().max() / ref.double().abs().max()
+    assert err < 2e-5, float(err)
+
+
+def all_c(decoder) -> bool:
+    return all(line.endswith(": C") for line in decoder.plan()) and decoder.c_head
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # grouped-query attention, tied embeddings, SiLU
+        {"n_kv_heads": 4},  # multi-head
+        {"n_kv_heads": 1, "hidden_act": "gelu", "tie_embeddings": False},  # multi-query
+        {"attention_bias": True, "mlp_bias": True, "hidden_act": "relu"},
+        {"dim": 40, "head_dim": 10, "ffn_dim": 37, "vocab_size": 61},  # no multiple of 4 or 16
+    ],
+)
+def test_step_equals_cached_forward(overrides):
+    model = tiny_model(seed=3, std=0.1, **overrides)
+    ref, got, decoder = decode_both(model)
+    assert all_c(decoder)
+    assert_close(ref, got)
+
+
+@needs_compiler
+def test_scaled_rope_and_activation_slots():
+    """RoPE attention scaling, ReLU slots and magnitude thresholds run in C, as torch does."""
+    model = tiny_model(seed=4, std=0.1)
+    model.rope_scale = 1.3
+    for layer in model.layers:
+        layer.attn_in_act = nn.ReLU()
+        layer.mlp_in_act = MagnitudeThreshold(nn.Identity(), 0.3)
+        layer.mlp.act = MagnitudeThreshold(nn.SiLU(), 0.01)
+        layer.mlp.down_in_act = nn.ReLU()
+    ref, got, decoder = decode_both(model)
+    assert all_c(decoder)
+    assert_close(ref, got)
+
+
+def test_what_c_does_not_know_runs_as_torch():
+    """A hook, an unknown activation, a non-static cache: those halves run as torch, and the
+    logits still equal the model's (and the hook still sees every step)."""
+    model = tiny_model(seed=5, std=0.1, n_layers=3)
+    seen = []
+    model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(1))
+    model.layers[1].mlp.act = nn.Tanh()
+    ref, got, decoder = decode_both(model, steps=5, cache="paged")
+    assert_close(ref, got)
+    plan = decoder.plan()
+    assert "0.mlp: torch" in plan and "1.mlp: torch" in plan
+    assert all(line.endswith("torch") for line in plan if ".attn" in line)  # paged cache
+    assert len(seen) == 2 * (1 + 5)  # the reference and the decoder each ran it per step
+    if fast_path_available():
+        assert "2.mlp: C" in plan
+
+
+def test_without_the_compiled_library_everything_is_torch(monkeypatch):
+    monkeypatch.setattr(decode, "decode_library", lambda: None)
+    model = tiny_model(seed=6, std=0.1)
+    ref, got, decoder = decode_both(model, steps=4)
+    assert all(line.endswith("torch") for line in decoder.plan()) and not decoder.c_head
+    assert_close(ref, got)
+
+
+@needs_compiler
+def test_sparse_mlp_threshold_mode():
+    model = tiny_model(seed=7, std=0.1)
+    sparsify(model, thresholds=0.1)
+    ref, got, decoder = decode_both(model)
+    assert all_c(decoder)
+    assert_close(ref, got)
+    densities = [layer.mlp.last_density for layer in model.layers]
+    assert all(0.05 < d < 0.95 for d in densities), densities  # really sparse, not empty
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["lowrank", "mlp"])
+def test_sparse_mlp_predictor_mode(kind):
+    model = tiny_model(seed=8, std=0.1)
+    c = model.config
+    neurons = nn.ModuleList(
+        init_random(Predictor(c.dim, 6, c.ffn_dim, kind=kind), seed=i) for i in range(c.n_layers)
+    )
+    with torch.no_grad():
+        for p in neurons:
+            p.up.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(9))
+            p.cutoff.fill_(0.1)
+    predictors = Predictors(neurons=neurons, thresholds=[0.0] * c.n_layers, kind=kind)
+    sparsify(model, select=predictors.select)
+    ref, got, decoder = decode_both(model)
+    assert all_c(decoder)
+    assert_close(ref, got)
+    assert all(0.05 < layer.mlp.last_density < 0.95 for layer in model.layers)
+
+
+@needs_compiler
+def test_an_unknown_selector_runs_as_torch():
+    model = tiny_model(seed=10, std=0.1)
+    sparsify(model, select=lambda layer, x: torch.arange(0, model.config.ffn_dim, 3))
+    ref, got, decoder = decode_both(model, steps=4)
+    assert_close(ref, got)
+    assert all(line.endswith("torch") for line in decoder.plan() if ".mlp" in line)
+    assert all(line.endswith("C") for line in decoder.plan() if ".attn" in line)
+
+
+def test_position_outside_the_cache_is_an_error():
+    model = tiny_model(seed=11)
+    cache = make_cache(model.config, 1, 4)
+    with torch.inference_mode():
+        decoder = Decoder(model, cache)
+        with pytest.raises(ValueError, match="does not fit"):
+            decoder.step(1, 4)
+
+
+def test_other_dtypes_are_refused_with_the_fix():
+    model = tiny_model(seed=12).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 models on the CPU"):
+        Decoder(model, make_cache(model.config, 1, 8, dtype=torch.bfloat16))
+
+
+def test_generate_compiled_equals_torch_steps(embedded):
+    """On the real model, 32 greedy tokens: the compiled steps give the torch steps' tokens."""
+    model, tokenizer = embedded
+    prompt = "Exceptions are raised when"
+    fast = generate(model, tokenizer, prompt, max_new_tokens=32)
+    plain = generate(model, tokenizer, prompt, max_new_tokens=32, compiled=False)
+    assert fast == plain and len(fast) == 32
+
+
+@needs_compiler
+def test_embedded_model_runs_entirely_in_c(embedded):
+    model, _ = embedded
+    with torch.inference_mode():
+        decoder = Decoder(model, make_cache(model.config, 1, 16))
+    assert all_c(decoder)
+
