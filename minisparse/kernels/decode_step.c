@@ -103,6 +103,14 @@ static inline float dot(const float* a, const float* b, int64_t n) {
     return s;
 }
 
+/* a . b, asking the memory system for the row `next` (may be NULL) meanwhile: a gathered row is
+   a short burst that the hardware prefetcher has not locked onto yet (chapter 07). */
+static inline float dot_next(const float* a, const float* b, int64_t n, const float* next) {
+    if (next)
+        for (int64_t k = 0; k < n; k += 16) __builtin_prefetch(next + k, 0, 0);
+    return dot(a, b, n);
+}
+
 /* y[i] = W[i] . x for four consecutive rows at once: four independent streams, x read once. */
 static inline void dot4(const float* W, int64_t K, const float* x, float* y) {
     const float *r0 = W, *r1 = W + K, *r2 = W + 2 * K, *r3 = W + 3 * K;
@@ -316,8 +324,13 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
         #pragma omp for schedule(dynamic, 16)
         for (int64_t i = 0; i < count; i++) {
             int64_t j = idx[i];
-            float g = predicted ? activate(L->act, dot(L->wg + j * D, n, D)) : a[j];
-            hv[i] = g * dot(L->wu + j * D, n, D);
+            const float* next_up = i + 1 < count ? L->wu + idx[i + 1] * D : 0;
+            float g = a[j];
+            if (predicted) {
+                const float* next_gate = i + 1 < count ? L->wg + idx[i + 1] * D : 0;
+                g = activate(L->act, dot_next(L->wg + j * D, n, D, next_gate));
+            }
+            hv[i] = g * dot_next(L->wu + j * D, n, D, next_up);
         }
         /* y = sum_i hv[i] W_down_t[idx[i]]: groups of GROUP rows summed in registers, each
            thread into its own partial sum, then the partials added to x */
@@ -326,6 +339,8 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
         #pragma omp for schedule(dynamic, 2)
         for (int64_t g0 = 0; g0 < count; g0 += GROUP) {
             int64_t g = count - g0 < GROUP ? count - g0 : GROUP;
+            for (int64_t r = g0 + GROUP; r < g0 + 2 * GROUP && r < count; r++)
+                for (int64_t k = 0; k < D; k += 16) __builtin_prefetch(L->wd_t + idx[r] * D + k, 0, 0);
             int64_t c = 0;
             for (; c + 16 <= D; c += 16) {
                 v16 s = {0};
