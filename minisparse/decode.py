@@ -42,6 +42,7 @@ from .sparse_mlp import SparseMLP
 from .sparsity import MagnitudeThreshold
 
 ACT_CODES = {"silu": 0, "relu": 1, "gelu": 2}
+MAX_TOKENS = 8  # as in decode_step.c: the most tokens one forward call takes
 
 
 class Slot(ctypes.Structure):
@@ -98,11 +99,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mlp_scratch.argtypes, lib.mlp_scratch.restype = [i64, i64], i64
     lib.sparse_mlp_scratch.argtypes = [i64, i64, i64, c_int]
     lib.sparse_mlp_scratch.restype = i64
-    lib.attn_step.argtypes, lib.attn_step.restype = [p, p, i64, p, c_int], c_int
-    lib.mlp_step.argtypes, lib.mlp_step.restype = [p, p, p, c_int], c_int
+    lib.attn_step.argtypes, lib.attn_step.restype = [p, p, i64, i64, p, c_int], c_int
+    lib.mlp_step.argtypes, lib.mlp_step.restype = [p, p, i64, p, c_int], c_int
     lib.sparse_mlp_step.argtypes, lib.sparse_mlp_step.restype = [p, p, p, c_int], i64
-    lib.lm_head_step.argtypes = [p, p, ctypes.c_float, p, i64, i64, p, p, c_int]
-    lib.lm_head_step.restype = None
+    lib.lm_head_step.argtypes = [p, i64, p, ctypes.c_float, p, i64, i64, p, p, c_int]
+    lib.lm_head_step.restype = c_int
 
 
 @functools.lru_cache(maxsize=1)
@@ -170,7 +171,9 @@ def _plain_f32(*tensors: Tensor | None) -> bool:
 
 
 def _linear_ok(lin: nn.Module) -> bool:
-    return type(lin) in (Linear, nn.Linear) and not _hooked(lin) and _plain_f32(lin.weight, lin.bias)
+    return (
+        type(lin) in (Linear, nn.Linear) and not _hooked(lin) and _plain_f32(lin.weight, lin.bias)
+    )
 
 
 def attn_layer(layer: Block, cache: object, model: Transformer) -> AttnLayer | None:
@@ -210,7 +213,12 @@ def mlp_layer(layer: Block) -> MlpLayer | SparseMlpLayer | None:
     """The C description of a block's MLP half (dense or sparse), or None for torch."""
     mlp, norm = layer.mlp, layer.mlp_norm
     slot = slot_of(layer.mlp_in_act)
-    if type(norm) is not RMSNorm or _hooked(norm, mlp) or slot is None or not _plain_f32(norm.weight):
+    if (
+        type(norm) is not RMSNorm
+        or _hooked(norm, mlp)
+        or slot is None
+        or not _plain_f32(norm.weight)
+    ):
         return None
     if type(mlp) is SparseMLP:
         return sparse_mlp_layer(mlp, norm, slot)
@@ -318,7 +326,10 @@ class Decoder:
             plain = usable and type(layer) is Block and not _hooked(layer)
             self.whole_layer.append(not plain)
             attn = attn_layer(layer, cache[i], model) if plain else None
-            self.halves += [Half(i, "attn", attn), Half(i, "mlp", mlp_layer(layer) if plain else None)]
+            self.halves += [
+                Half(i, "attn", attn),
+                Half(i, "mlp", mlp_layer(layer) if plain else None),
+            ]
         head, norm = model.lm_head, model.norm
         self.c_head = (
             usable
@@ -332,15 +343,17 @@ class Decoder:
         sizes = [c.dim]
         for h in self.halves:
             if isinstance(h.c, AttnLayer):
-                sizes.append(lib.attn_scratch(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, h.c.max_seq))
+                sizes.append(
+                    lib.attn_scratch(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, h.c.max_seq)
+                )
             elif isinstance(h.c, MlpLayer):
                 sizes.append(lib.mlp_scratch(h.c.dim, h.c.ffn))
             elif isinstance(h.c, SparseMlpLayer):
                 sizes.append(lib.sparse_mlp_scratch(h.c.dim, h.c.ffn, h.c.rank, self.threads))
         with torch.inference_mode(False):  # normal tensors: usable inside and outside it
-            self.scratch = torch.empty(max(sizes), dtype=torch.float32)
-            self.x = torch.empty(c.dim, dtype=torch.float32)
-            self.logits = torch.empty(c.vocab_size, dtype=torch.float32)
+            self.scratch = torch.empty(max(sizes) + MAX_TOKENS * c.dim, dtype=torch.float32)
+            self.x = torch.empty(MAX_TOKENS, c.dim, dtype=torch.float32)
+            self.logits = torch.empty(MAX_TOKENS, c.vocab_size, dtype=torch.float32)
         self._refs = [None if h.c is None else ctypes.byref(h.c) for h in self.halves]
 
     @staticmethod
@@ -352,77 +365,101 @@ class Decoder:
         """Where each half runs, e.g. ['0.attn: C', '0.mlp: torch', ...]."""
         return [f"{h.layer}.{h.part}: {h.where}" for h in self.halves]
 
-    @torch.no_grad()
     def step(self, token: int, pos: int, times: dict[str, float] | None = None) -> Tensor:
         """Logits [vocab] for ``token`` at position ``pos`` (0-based), cache updated.
 
         ``times``, when given, accumulates the seconds spent in each part of the step
         ("embedding", "attention", "mlp", "sparse mlp", "torch", "lm head").
         """
+        return self.forward([token], pos, times)[0]
+
+    @torch.no_grad()
+    def forward(
+        self, tokens: Sequence[int], pos: int, times: dict[str, float] | None = None
+    ) -> Tensor:
+        """Logits [B, vocab] for B <= ``MAX_TOKENS`` consecutive tokens at positions pos ..
+        pos + B - 1 (each sees the cache and the tokens before it), cache updated.
+
+        Each weight is read once for all B tokens: speculative decoding verifies gamma drafted
+        tokens at about the cost of one step. A sparse MLP runs as C for one token (the
+        active sets of several tokens differ) and as torch for more.
+        """
+        n = len(tokens)
+        if not 1 <= n <= MAX_TOKENS:
+            raise ValueError(
+                f"Decoder.forward takes 1 to {MAX_TOKENS} tokens, got {n}; run longer chunks "
+                "through model(tokens, input_pos, cache)."
+            )
         clock = Clock(times)
-        torch.index_select(
-            self.model.embed.weight, 0, torch.tensor([token]), out=self.x.view(1, -1)
-        )
+        ids = torch.tensor(list(tokens))
+        torch.index_select(self.model.embed.weight, 0, ids, out=self.x[:n])
         clock("embedding")
         for i in range(len(self.model.layers)):
             if self.whole_layer[i]:
-                self._torch_layer(i, pos)
+                self._torch_layer(i, n, pos)
                 clock("torch")
                 continue
-            clock(self._attention(i, pos))
-            clock(self._mlp(i, pos))
-        clock(self._head())
-        return self.logits
+            clock(self._attention(i, n, pos))
+            clock(self._mlp(i, n, pos))
+        clock(self._head(n))
+        return self.logits[:n]
 
-    def _torch_layer(self, i: int, pos: int) -> None:
-        x = self.x.view(1, 1, -1)
-        out = self.model.layers[i](x, *self._cos_sin(pos), torch.tensor([pos]), self.cache[i])
-        self.x.copy_(out[0, 0])
+    def _torch_layer(self, i: int, n: int, pos: int) -> None:
+        x = self.x[:n].view(1, n, -1)
+        out = self.model.layers[i](x, *self._cos_sin(n, pos), self.cache[i])
+        self.x[:n].copy_(out[0])
 
-    def _attention(self, i: int, pos: int) -> str:
+    def _attention(self, i: int, n: int, pos: int) -> str:
         if self._refs[2 * i] is None:
-            layer, x = self.model.layers[i], self.x.view(1, 1, -1)
-            n = layer.attn_in_act(layer.attn_norm(x))
-            x += layer.attn(n, *self._cos_sin(pos), torch.tensor([pos]), self.cache[i])
+            layer, x = self.model.layers[i], self.x[:n].view(1, n, -1)
+            x += layer.attn(
+                layer.attn_in_act(layer.attn_norm(x)), *self._cos_sin(n, pos), self.cache[i]
+            )
             return "torch"
-        ptrs = (self.x.data_ptr(), pos, self.scratch.data_ptr(), self.threads)
+        ptrs = (self.x.data_ptr(), n, pos, self.scratch.data_ptr(), self.threads)
         if self.lib.attn_step(self._refs[2 * i], *ptrs):
-            raise ValueError(f"Position {pos} does not fit in the KV cache of layer {i}.")
+            raise ValueError(
+                f"Positions {pos}..{pos + n - 1} do not fit in the KV cache of layer {i}."
+            )
         return "attention"
 
-    def _mlp(self, i: int, pos: int) -> str:
+    def _mlp(self, i: int, n: int, pos: int) -> str:
         half, ref = self.halves[2 * i + 1], self._refs[2 * i + 1]
-        if ref is None:
-            layer, x = self.model.layers[i], self.x.view(1, 1, -1)
+        sparse = isinstance(half.c, SparseMlpLayer)
+        if ref is None or (sparse and n > 1):
+            layer, x = self.model.layers[i], self.x[:n].view(1, n, -1)
             x += layer.mlp(layer.mlp_in_act(layer.mlp_norm(x)))
             return "torch"
-        ptrs = (self.x.data_ptr(), self.scratch.data_ptr(), self.threads)
-        if isinstance(half.c, SparseMlpLayer):
+        if sparse:
             mlp = self.model.layers[i].mlp
-            mlp.last_density, mlp.last_keep = self.lib.sparse_mlp_step(ref, *ptrs) / half.c.ffn, None
+            count = self.lib.sparse_mlp_step(
+                ref, self.x.data_ptr(), self.scratch.data_ptr(), self.threads
+            )
+            mlp.last_density, mlp.last_keep = count / half.c.ffn, None
             return "sparse mlp"
-        self.lib.mlp_step(ref, *ptrs)
+        self.lib.mlp_step(ref, self.x.data_ptr(), n, self.scratch.data_ptr(), self.threads)
         return "mlp"
 
-    def _head(self) -> str:
-        model, x = self.model, self.x
+    def _head(self, n: int) -> str:
+        model, x, logits = self.model, self.x, self.logits
         if not self.c_head:
-            self.logits.copy_(model.lm_head(model.norm(x.view(1, 1, -1)))[0, 0])
+            logits[:n].copy_(model.lm_head(model.norm(x[:n].view(1, n, -1)))[0])
             return "torch"
         self.lib.lm_head_step(
-            x.data_ptr(), model.norm.weight.data_ptr(), model.norm.eps,
-            model.lm_head.weight.data_ptr(), self.logits.numel(), x.numel(),
-            self.scratch.data_ptr(), self.logits.data_ptr(), self.threads,
+            x.data_ptr(), n, model.norm.weight.data_ptr(), model.norm.eps,
+            model.lm_head.weight.data_ptr(), logits.shape[1], x.shape[1],
+            self.scratch.data_ptr(), logits.data_ptr(), self.threads,
         )  # fmt: skip
         return "lm head"
 
-    def _cos_sin(self, pos: int) -> tuple[Tensor, Tensor]:
-        """cos/sin of position ``pos`` for the halves torch runs (as ``hidden_states`` makes them)."""
-        model = self.model
-        cos, sin = rope_cos_sin(model.inv_freq, torch.tensor([pos]), torch.float32)
+    def _cos_sin(self, n: int, pos: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(cos, sin, input_pos) of positions pos .. pos + n - 1 for the halves torch runs, as
+        ``Transformer.hidden_states`` makes them."""
+        model, positions = self.model, torch.arange(pos, pos + n)
+        cos, sin = rope_cos_sin(model.inv_freq, positions, torch.float32)
         if model.rope_scale != 1.0:
             cos, sin = cos * model.rope_scale, sin * model.rope_scale
-        return cos, sin
+        return cos, sin, positions
 
 
 class Clock:

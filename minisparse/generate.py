@@ -276,13 +276,19 @@ def generate(
     else:
         kv = cache
     input_pos = torch.arange(len(ids), device=device)
-    decoder = Decoder(model, kv) if compiled and kv is not None and Decoder.supports(model) else None
+    decoder = (
+        Decoder(model, kv) if compiled and kv is not None and Decoder.supports(model) else None
+    )
     out: list[int] = []
     for _ in range(max_new_tokens):
         if decoder is not None and out:  # a single new token: the compiled step
             logits = decoder.step(out[-1], len(ids) + len(out) - 1)
         else:
-            hidden = model.hidden_states(tokens, input_pos, kv) if use_cache else model.hidden_states(tokens)
+            hidden = (
+                model.hidden_states(tokens, input_pos, kv)
+                if use_cache
+                else model.hidden_states(tokens)
+            )
             logits = model.lm_head(hidden[0, -1])
         tok = next_token(logits, temperature, top_k, top_p, generator)
         out.append(tok)

@@ -365,7 +365,8 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer(
-            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta).float().to(weight.device),
+            "inv_freq",
+            rope_inv_freq(config.head_dim, config.rope_theta).float().to(weight.device),
             persistent=False,
         )
         self.rope_scale = 1.0  # transformers' "attention_scaling" for scaled RoPE variants

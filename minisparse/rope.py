@@ -49,7 +49,9 @@ def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
     """
     if head_dim % 2 != 0 or head_dim < 2:
         raise ValueError(f"RoPE needs an even head_dim >= 2, got {head_dim}.")
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    return 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    )
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

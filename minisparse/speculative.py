@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .decode import MAX_TOKENS, Decoder
 from .generate import (
     Prompt,
     check_length,
@@ -66,7 +67,6 @@ from .generate import (
     make_generator,
     stop_ids,
 )
-from .decode import Decoder
 from .model import Block, Transformer, check_count, make_cache
 from .quant import quantize_model
 from .sparse_mlp import calibrate_thresholds, sparse_mlps
@@ -249,8 +249,8 @@ class ModelDraft(Draft):
         out: list[int] = []
         qs: list[Tensor] = []
         for _ in range(gamma):
-            if self.decoder is not None and out:  # one new token: the compiled step
-                logits = self.decoder.step(out[-1], int(pos[0]))
+            if self.decoder is not None and tokens.shape[1] <= MAX_TOKENS:  # the compiled step
+                logits = self.decoder.forward(tokens[0].tolist(), int(pos[0]))[-1]
             else:
                 hidden = self.model.hidden_states(tokens, pos, self.cache)
                 logits = self.model.lm_head(hidden[0, -1])
@@ -503,6 +503,8 @@ def speculative_generate(
     stops = stop_ids(target, tokenizer)
     stats = SpeculativeStats()
     cache = make_cache(target.config, 1, total, target.dtype, device)
+    # the compiled decoder verifies gamma + 1 tokens reading each weight once
+    decoder = Decoder(target, cache) if Decoder.supports(target) else None
     draft.reset(total)
 
     # Invariant: the target's cache holds every token of ``ids`` but the last.
@@ -519,8 +521,11 @@ def speculative_generate(
         proposal, q = draft.propose(ids, k, sampling, generator) if k > 0 else ([], None)
         t1 = time.perf_counter()
         chunk = [ids[-1], *proposal]
-        pos = torch.arange(len(ids) - 1, len(ids) - 1 + len(chunk), device=device)
-        logits = target(torch.tensor([chunk], device=device), pos, cache)[0]
+        if decoder is not None and len(chunk) <= MAX_TOKENS:
+            logits = decoder.forward(chunk, len(ids) - 1)
+        else:
+            pos = torch.arange(len(ids) - 1, len(ids) - 1 + len(chunk), device=device)
+            logits = target(torch.tensor([chunk], device=device), pos, cache)[0]
         if sampling.greedy:
             n_ok, token = verify_greedy(logits, proposal)
         else:

@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .bench import interleaved_medians
+from .decode import MAX_TOKENS, Decoder
 from .generate import encode_prompt, generate
 from .model import Transformer, check_count, make_cache
 from .sparsity import check_sparsity
@@ -143,9 +144,15 @@ def step_costs(
     positions = torch.arange(context)
     fns = {}
 
-    def one_step(model: Transformer) -> Any:
+    def filled(model: Transformer) -> tuple[Any, Decoder | None]:
         cache = make_cache(model.config, 1, context + max(gammas) + 1, model.dtype, model.device)
         model(prefix, positions, cache)
+        return cache, (Decoder(model, cache) if Decoder.supports(model) else None)
+
+    def one_step(model: Transformer) -> Any:  # the step decoding takes (generate, drafts)
+        cache, decoder = filled(model)
+        if decoder is not None:
+            return lambda: decoder.step(int(prefix[0, -1]), context)
         token, pos = prefix[:, -1:], positions[-1:] + 1
         return lambda: model.lm_head(model.hidden_states(token, pos, cache)[0, -1])
 
@@ -153,12 +160,14 @@ def step_costs(
     for name, draft in drafts.items():
         if isinstance(draft, ModelDraft):
             fns[name] = one_step(draft.model)
-    cache = make_cache(target.config, 1, context + max(gammas) + 1, target.dtype, target.device)
-    target(prefix, positions, cache)
-    for g in gammas:
+    cache, decoder = filled(target)
+    for g in gammas:  # the verification pass, as speculative_generate runs it
         chunk = torch.randint(0, vocab, (1, g + 1), generator=gen)
         pos = torch.arange(context, context + g + 1)
-        fns[f"verify {g}"] = lambda chunk=chunk, pos=pos: target(chunk, pos, cache)
+        if decoder is not None and g + 1 <= MAX_TOKENS:
+            fns[f"verify {g}"] = lambda chunk=chunk: decoder.forward(chunk[0].tolist(), context)
+        else:
+            fns[f"verify {g}"] = lambda chunk=chunk, pos=pos: target(chunk, pos, cache)
     times = interleaved_medians(fns, repeats=repeats, warmup=warmup)
     step = times.pop("target")
     return {"target step ms": step * 1e3, **{k: t / step for k, t in times.items()}}

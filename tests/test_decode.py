@@ -158,7 +158,7 @@ def test_position_outside_the_cache_is_an_error():
     cache = make_cache(model.config, 1, 4)
     with torch.inference_mode():
         decoder = Decoder(model, cache)
-        with pytest.raises(ValueError, match="does not fit"):
+        with pytest.raises(ValueError, match="do not fit"):
             decoder.step(1, 4)
 
 
@@ -184,3 +184,50 @@ def test_embedded_model_runs_entirely_in_c(embedded):
         decoder = Decoder(model, make_cache(model.config, 1, 16))
     assert all_c(decoder)
 
+
+@needs_compiler
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_several_tokens_in_one_call_equal_the_cached_forward(n):
+    """forward(tokens, pos) for n consecutive tokens (a verification pass) gives the logits of
+    model(tokens, positions, cache), each token seeing the ones before it, and leaves the cache
+    as the model leaves it (the next single step agrees too)."""
+    model = tiny_model(seed=13, std=0.1)
+    gen = torch.Generator().manual_seed(14)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 6 + n + 1), generator=gen)
+    with torch.inference_mode():
+        ref_cache, dec_cache = make_cache(model.config, 1, 20), make_cache(model.config, 1, 20)
+        for cache in (ref_cache, dec_cache):
+            model(tokens[:, :6], torch.arange(6), cache)
+        decoder = Decoder(model, dec_cache)
+        ref = model(tokens[:, 6 : 6 + n], torch.arange(6, 6 + n), ref_cache)[0]
+        got = decoder.forward(tokens[0, 6 : 6 + n].tolist(), 6).clone()
+        assert_close(ref, got)
+        last = 6 + n
+        ref_next = model(tokens[:, last : last + 1], torch.tensor([last]), ref_cache)[0, 0]
+        assert_close(ref_next, decoder.step(int(tokens[0, last]), last))
+
+
+@needs_compiler
+def test_several_tokens_through_a_sparse_mlp_run_it_as_torch():
+    model = tiny_model(seed=15, std=0.1)
+    sparsify(model, thresholds=0.1)
+    tokens = torch.randint(
+        0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(16)
+    )
+    with torch.inference_mode():
+        ref_cache, dec_cache = make_cache(model.config, 1, 12), make_cache(model.config, 1, 12)
+        for cache in (ref_cache, dec_cache):
+            model(tokens[:, :5], torch.arange(5), cache)
+        times: dict[str, float] = {}
+        got = Decoder(model, dec_cache).forward(tokens[0, 5:].tolist(), 5, times).clone()
+        ref = model(tokens[:, 5:], torch.arange(5, 9), ref_cache)[0]
+    assert_close(ref, got)
+    assert "torch" in times and "sparse mlp" not in times and "attention" in times
+
+
+def test_more_tokens_than_one_call_takes_is_an_error():
+    model = tiny_model(seed=17)
+    with torch.inference_mode():
+        decoder = Decoder(model, make_cache(model.config, 1, 32))
+        with pytest.raises(ValueError, match="1 to 8 tokens"):
+            decoder.forward(list(range(9)), 0)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minisparse.kernels.cpu import fast_path_available
 from minisparse.generate import generate
 from minisparse.hf import compare_logits, from_hf, to_hf
+from minisparse.kernels.cpu import fast_path_available
 from minisparse.model import (
     KVCache,
     Linear,

@@ -26,13 +26,27 @@
 #define THREADS() 1
 #endif
 
+/* The most tokens one call takes (a verification pass of speculative decoding, gamma + 1). */
+#define MAX_TOKENS 8
+
 /* 16 floats in one vector register (AVX-512), or split over smaller ones elsewhere. */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+/* The sum of the 16 lanes as a tree (halves added to halves): four vector adds instead of
+   fifteen scalar ones, which matters when every row ends in one (B tokens: B per row). */
 static inline float hsum(v16 v) {
-    float s = 0.0f;
-    for (int q = 0; q < 16; q++) s += v[q];
-    return s;
+    v8 lo, hi;
+    __builtin_memcpy(&lo, &v, 32);
+    __builtin_memcpy(&hi, (const char*)&v + 32, 32);
+    v8 s8 = lo + hi;
+    v4 a, b;
+    __builtin_memcpy(&a, &s8, 16);
+    __builtin_memcpy(&b, (const char*)&s8 + 16, 16);
+    v4 s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 /* What a projection's input goes through first: a ReLU and/or a magnitude threshold
@@ -149,6 +163,44 @@ static void gemv_rows(const float* W, const float* b, const float* x, float* y, 
     }
 }
 
+/* out[b] = row . X[b] for B <= MAX_TOKENS token vectors X [B, K] (row-major): the row is read
+   once and multiplied with every token's vector while it is in registers. */
+static inline void dot_tokens(const float* row, const float* X, int64_t B, int64_t K, float* out) {
+    if (B == 1) {
+        out[0] = dot(row, X, K);
+        return;
+    }
+    v16 acc[MAX_TOKENS];
+    for (int64_t b = 0; b < B; b++) acc[b] = (v16){0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        v16 w = load16(row + k);
+        for (int64_t b = 0; b < B; b++) acc[b] += w * load16(X + b * K + k);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float s = hsum(acc[b]);
+        for (int64_t kk = k; kk < K; kk++) s += row[kk] * X[b * K + kk];
+        out[b] = s;
+    }
+}
+
+/* Y[b] = W X[b] (+ bias) for B tokens (X [B, K], Y [B, N]): each weight is read once for all B,
+   so a few tokens cost about what one costs while the weights, not the arithmetic, are the
+   limit (speculative decoding's verification pass). No barrier at the end. */
+static void gemm_rows(const float* W, const float* bias, const float* X, float* Y, int64_t B,
+                      int64_t N, int64_t K) {
+    if (B == 1) {
+        gemv_rows(W, bias, X, Y, N, K);
+        return;
+    }
+    #pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < N; i++) {
+        float out[MAX_TOKENS];
+        dot_tokens(W + i * K, X, B, K, out);
+        for (int64_t b = 0; b < B; b++) Y[b * N + i] = out[b] + (bias ? bias[i] : 0.0f);
+    }
+}
+
 static void rmsnorm(const float* x, const float* w, float eps, int64_t n, float* out) {
     double ss = 0.0;  /* float64 sum of squares: as accurate as torch's float32 tree sum */
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
@@ -166,110 +218,123 @@ static void rope(float* v, const float* cs, const float* sn, int64_t d) {
     }
 }
 
-/* Scratch floats attn_step needs (the caller allocates them once). */
+/* Scratch floats attn_step needs for up to MAX_TOKENS tokens (allocated once by the caller). */
 int64_t attn_scratch(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                      int64_t max_seq) {
-    return dim + (n_heads + 2 * n_kv_heads) * head_dim + n_heads * head_dim + head_dim
-           + n_heads * max_seq;
+    return MAX_TOKENS * (dim + (2 * n_heads + 2 * n_kv_heads) * head_dim + head_dim
+                         + n_heads * max_seq);
 }
 
-/* x += attention block of one token at position pos; writes its key/value into the cache. */
-int attn_step(const AttnLayer* L, float* x, int64_t pos, float* scratch, int num_threads) {
+/* x[b] += attention block of B <= MAX_TOKENS consecutive tokens at positions pos .. pos + B - 1
+   (x [B, dim]): their keys/values go into the cache, and token b attends to positions
+   0 .. pos + b (causal). Returns 1 when the positions do not fit in the cache or B is too big. */
+int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scratch,
+              int num_threads) {
     const int64_t D = L->dim, H = L->n_heads, G = L->n_kv_heads, hd = L->head_dim;
-    if (pos < 0 || pos >= L->max_seq) return 1;
-    float* n = scratch;
-    float* q = n + D;
-    float* k = q + H * hd;
-    float* v = k + G * hd;
-    float* att = v + G * hd;
-    float* cs = att + H * hd;                     /* cos [hd/2], then sin [hd/2] */
-    float* scores = cs + hd;
-    const int64_t T = pos + 1;
+    if (B < 1 || B > MAX_TOKENS || pos < 0 || pos + B > L->max_seq) return 1;
+    const int64_t S = L->max_seq;
+    float* n = scratch;               /* [B, D] */
+    float* q = n + B * D;             /* [B, H * hd] */
+    float* k = q + B * H * hd;        /* [B, G * hd] */
+    float* v = k + B * G * hd;        /* [B, G * hd] */
+    float* att = v + B * G * hd;      /* [B, H * hd] */
+    float* cs = att + B * H * hd;     /* per token: cos [hd/2], then sin [hd/2] */
+    float* scores = cs + B * hd;      /* [B, H, S] */
     const float scale = 1.0f / sqrtf((float)hd);
     #pragma omp parallel num_threads(num_threads)
     {
-        #pragma omp single
-        {
-            rmsnorm(x, L->norm, L->eps, D, n);
-            for (int64_t i = 0; i < D; i++) n[i] = slot(L->in, n[i]);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            rmsnorm(x + b * D, L->norm, L->eps, D, n + b * D);
+            for (int64_t i = 0; i < D; i++) n[b * D + i] = slot(L->in, n[b * D + i]);
             for (int64_t i = 0; i < hd / 2; i++) {
-                float angle = (float)pos * L->inv_freq[i];   /* float32, as rope_cos_sin */
-                cs[i] = cosf(angle) * L->rope_scale;
-                cs[hd / 2 + i] = sinf(angle) * L->rope_scale;
+                float angle = (float)(pos + b) * L->inv_freq[i];  /* float32, as rope_cos_sin */
+                cs[b * hd + i] = cosf(angle) * L->rope_scale;
+                cs[b * hd + hd / 2 + i] = sinf(angle) * L->rope_scale;
             }
         }
-        gemv_rows(L->wq, L->bq, n, q, H * hd, D);
-        gemv_rows(L->wk, L->bk, n, k, G * hd, D);
-        gemv_rows(L->wv, L->bv, n, v, G * hd, D);
+        gemm_rows(L->wq, L->bq, n, q, B, H * hd, D);
+        gemm_rows(L->wk, L->bk, n, k, B, G * hd, D);
+        gemm_rows(L->wv, L->bv, n, v, B, G * hd, D);
         #pragma omp barrier
         #pragma omp for schedule(static)
-        for (int64_t h = 0; h < H + G; h++) {
+        for (int64_t bh = 0; bh < B * (H + G); bh++) {
+            int64_t b = bh / (H + G), h = bh % (H + G);
+            const float *c = cs + b * hd, *sn = c + hd / 2;
             if (h < H) {
-                rope(q + h * hd, cs, cs + hd / 2, hd);
+                rope(q + (b * H + h) * hd, c, sn, hd);
             } else {
                 int64_t g = h - H;
-                rope(k + g * hd, cs, cs + hd / 2, hd);
-                memcpy(L->k_cache + (g * L->max_seq + pos) * hd, k + g * hd, hd * sizeof(float));
-                memcpy(L->v_cache + (g * L->max_seq + pos) * hd, v + g * hd, hd * sizeof(float));
+                float* kg = k + (b * G + g) * hd;
+                rope(kg, c, sn, hd);
+                memcpy(L->k_cache + (g * S + pos + b) * hd, kg, hd * sizeof(float));
+                memcpy(L->v_cache + (g * S + pos + b) * hd, v + (b * G + g) * hd,
+                       hd * sizeof(float));
             }
         }
-        /* softmax(q K^T / sqrt(d)) V per query head; head h reads key/value head h / (H / G) */
+        /* softmax(q K^T / sqrt(d)) V per token and query head; head h reads key/value head
+           h / (H / G) */
         #pragma omp for schedule(static)
-        for (int64_t h = 0; h < H; h++) {
-            const float* qh = q + h * hd;
-            const float* K = L->k_cache + (h / (H / G)) * L->max_seq * hd;
-            const float* V = L->v_cache + (h / (H / G)) * L->max_seq * hd;
-            float* s = scores + h * L->max_seq;
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            int64_t b = bh / H, h = bh % H, T = pos + b + 1;
+            const float* qh = q + bh * hd;
+            const float* K = L->k_cache + (h / (H / G)) * S * hd;
+            const float* V = L->v_cache + (h / (H / G)) * S * hd;
+            float* sc = scores + bh * S;
             float top = -INFINITY;
             for (int64_t t = 0; t < T; t++) {
-                s[t] = dot(qh, K + t * hd, hd) * scale;
-                if (s[t] > top) top = s[t];
+                sc[t] = dot(qh, K + t * hd, hd) * scale;
+                if (sc[t] > top) top = sc[t];
             }
             float total = 0.0f;
-            for (int64_t t = 0; t < T; t++) total += (s[t] = expf(s[t] - top));
-            float* o = att + h * hd;
+            for (int64_t t = 0; t < T; t++) total += (sc[t] = expf(sc[t] - top));
+            float* o = att + bh * hd;
             for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
             for (int64_t t = 0; t < T; t++) {
-                float p = s[t] / total;
+                float p = sc[t] / total;
                 const float* vt = V + t * hd;
                 for (int64_t i = 0; i < hd; i++) o[i] += p * vt[i];
             }
         }
-        gemv_rows(L->wo, L->bo, att, q, D, H * hd);  /* q is free again: the output goes there */
+        gemm_rows(L->wo, L->bo, att, q, B, D, H * hd);  /* q is free again: the output goes there */
         #pragma omp barrier
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < D; i++) x[i] += q[i];
+        for (int64_t i = 0; i < B * D; i++) x[i] += q[i];
     }
     return 0;
 }
 
-int64_t mlp_scratch(int64_t dim, int64_t ffn) { return 2 * dim + ffn; }
+int64_t mlp_scratch(int64_t dim, int64_t ffn) { return MAX_TOKENS * (2 * dim + ffn); }
 
-/* x += gated MLP of one token (dense). */
-int mlp_step(const MlpLayer* L, float* x, float* scratch, int num_threads) {
+/* x[b] += gated MLP of B <= MAX_TOKENS tokens (dense). Returns 1 when B is out of range. */
+int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_threads) {
     const int64_t D = L->dim, F = L->ffn;
-    float* n = scratch;
-    float* y = n + D;
-    float* h = y + D;
+    if (B < 1 || B > MAX_TOKENS) return 1;
+    float* n = scratch;      /* [B, D] */
+    float* y = n + B * D;    /* [B, D] */
+    float* h = y + B * D;    /* [B, F] */
     #pragma omp parallel num_threads(num_threads)
     {
-        #pragma omp single
-        {
-            rmsnorm(x, L->norm, L->eps, D, n);
-            for (int64_t i = 0; i < D; i++) n[i] = slot(L->in, n[i]);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            rmsnorm(x + b * D, L->norm, L->eps, D, n + b * D);
+            for (int64_t i = 0; i < D; i++) n[b * D + i] = slot(L->in, n[b * D + i]);
         }
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < F; j++) {
-            float g = dot(L->wg + j * D, n, D) + (L->bg ? L->bg[j] : 0.0f);
-            float u = dot(L->wu + j * D, n, D) + (L->bu ? L->bu[j] : 0.0f);
-            float a = activate(L->act, g);
-            if (L->act_threshold >= 0.0f && fabsf(a) <= L->act_threshold) a = 0.0f;
-            h[j] = slot(L->down_in, a * u);
+            float g[MAX_TOKENS], u[MAX_TOKENS];
+            dot_tokens(L->wg + j * D, n, B, D, g);
+            dot_tokens(L->wu + j * D, n, B, D, u);
+            for (int64_t b = 0; b < B; b++) {
+                float a = activate(L->act, g[b] + (L->bg ? L->bg[j] : 0.0f));
+                if (L->act_threshold >= 0.0f && fabsf(a) <= L->act_threshold) a = 0.0f;
+                h[b * F + j] = slot(L->down_in, a * (u[b] + (L->bu ? L->bu[j] : 0.0f)));
+            }
         }
-        gemv_rows(L->wd, L->bd, h, y, D, F);
+        gemm_rows(L->wd, L->bd, h, y, B, D, F);
         #pragma omp barrier
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < D; i++) x[i] += y[i];
+        for (int64_t i = 0; i < B * D; i++) x[i] += y[i];
     }
     return 0;
 }
@@ -366,13 +431,16 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
     return count;
 }
 
-/* logits = W_out RMSNorm(x) (the LM head; W_out [vocab, dim]). */
-void lm_head_step(const float* x, const float* norm, float eps, const float* w_out,
-                  int64_t vocab, int64_t dim, float* scratch, float* logits, int num_threads) {
+/* logits[b] = W_out RMSNorm(x[b]) for B <= MAX_TOKENS tokens (the LM head; W_out [vocab, dim],
+   logits [B, vocab]). Returns 1 when B is out of range. */
+int lm_head_step(const float* x, int64_t B, const float* norm, float eps, const float* w_out,
+                 int64_t vocab, int64_t dim, float* scratch, float* logits, int num_threads) {
+    if (B < 1 || B > MAX_TOKENS) return 1;
     #pragma omp parallel num_threads(num_threads)
     {
-        #pragma omp single
-        rmsnorm(x, norm, eps, dim, scratch);
-        gemv_rows(w_out, 0, scratch, logits, vocab, dim);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) rmsnorm(x + b * dim, norm, eps, dim, scratch + b * dim);
+        gemm_rows(w_out, 0, scratch, logits, B, vocab, dim);
     }
+    return 0;
 }
