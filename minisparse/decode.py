@@ -355,6 +355,8 @@ class Decoder:
             self.x = torch.empty(MAX_TOKENS, c.dim, dtype=torch.float32)
             self.logits = torch.empty(MAX_TOKENS, c.vocab_size, dtype=torch.float32)
         self._refs = [None if h.c is None else ctypes.byref(h.c) for h in self.halves]
+        self.all_torch = not self.c_head and all(ref is None for ref in self._refs)
+        self._rope: tuple[Tensor, Tensor, Tensor] | None = None
 
     @staticmethod
     def supports(model: Transformer) -> bool:
@@ -392,6 +394,12 @@ class Decoder:
             )
         clock = Clock(times)
         ids = torch.tensor(list(tokens))
+        if self.all_torch:  # nothing for C to do: the model's own forward, without our loop
+            positions = torch.arange(pos, pos + n)
+            self.logits[:n].copy_(self.model(ids[None], positions, self.cache)[0])
+            clock("torch")
+            return self.logits[:n]
+        self._rope = None
         torch.index_select(self.model.embed.weight, 0, ids, out=self.x[:n])
         clock("embedding")
         for i in range(len(self.model.layers)):
@@ -455,11 +463,13 @@ class Decoder:
     def _cos_sin(self, n: int, pos: int) -> tuple[Tensor, Tensor, Tensor]:
         """(cos, sin, input_pos) of positions pos .. pos + n - 1 for the halves torch runs, as
         ``Transformer.hidden_states`` makes them."""
-        model, positions = self.model, torch.arange(pos, pos + n)
-        cos, sin = rope_cos_sin(model.inv_freq, positions, torch.float32)
-        if model.rope_scale != 1.0:
-            cos, sin = cos * model.rope_scale, sin * model.rope_scale
-        return cos, sin, positions
+        if self._rope is None:  # made once per forward call, when a torch half needs it
+            model, positions = self.model, torch.arange(pos, pos + n)
+            cos, sin = rope_cos_sin(model.inv_freq, positions, torch.float32)
+            if model.rope_scale != 1.0:
+                cos, sin = cos * model.rope_scale, sin * model.rope_scale
+            self._rope = (cos, sin, positions)
+        return self._rope
 
 
 class Clock:

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from .bench import bench_decode_models, interleaved_medians, read_bandwidth, roofline_seconds
-from .model import Transformer, use_output_major_weights
-from .quant import quantize_model, streamed_bytes
+from .model import Transformer, check_count, use_output_major_weights
+from .quant import QuantSpec, quantize_model, streamed_bytes
 
 VARIANTS = ("fp32", "bf16", "int8", "int4")
 PROMPT = "The Python language reference describes the syntax and"
@@ -235,9 +235,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad settings before the model loads (one ValueError naming the option)."""
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty; give some text to decode after.")
+    check_count(args.max_new_tokens, "--max-new-tokens")
+    check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")
+    check_count(args.warmup, "--warmup", minimum=0)
+    check_count(args.linear_repeats, "--linear-repeats")
+    QuantSpec(bits=4, group_size=args.group_size)  # the same check the int4 layers make
+
+
 def run(args: argparse.Namespace) -> int:
     from .loading import load
 
+    check_arguments(args)
     model, tokenizer = load(args.model, device="cpu")
     print(
         f"prompt: {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, batch 1, "

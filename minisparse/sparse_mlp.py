@@ -285,8 +285,8 @@ def sparse_mlps(
     ]
 
 
-def swap_mlps(model: Transformer, mlps: Sequence[nn.Module]) -> list[nn.Module]:
-    """Put ``mlps`` into the model's layers; return the MLPs they replaced."""
+def swap_mlps_(model: Transformer, mlps: Sequence[nn.Module]) -> list[nn.Module]:
+    """Put ``mlps`` into the model's layers, in place; return the MLPs they replaced."""
     if len(mlps) != len(model.layers):
         raise ValueError(f"Got {len(mlps)} MLPs for a model with {len(model.layers)} layers.")
     old = [layer.mlp for layer in model.layers]
@@ -295,7 +295,7 @@ def swap_mlps(model: Transformer, mlps: Sequence[nn.Module]) -> list[nn.Module]:
     return old
 
 
-def sparsify(
+def sparsify_(
     model: Transformer,
     thresholds: float | Sequence[float] | None = None,
     select: Callable[[int, Tensor], Tensor] | None = None,
@@ -303,19 +303,19 @@ def sparsify(
 ) -> list[nn.Module]:
     """Replace every MLP of ``model`` by a ``SparseMLP``, in place; return the dense MLPs.
 
-    ``swap_mlps(model, returned)`` puts the dense MLPs back.
+    ``swap_mlps_(model, returned)`` puts the dense MLPs back.
     """
-    return swap_mlps(model, sparse_mlps(model, thresholds, select, backend))
+    return swap_mlps_(model, sparse_mlps(model, thresholds, select, backend))
 
 
 @contextlib.contextmanager
 def using_mlps(model: Transformer, mlps: Sequence[nn.Module]) -> Iterator[Transformer]:
     """Run a block with ``mlps`` in place of the model's MLPs, then restore them."""
-    old = swap_mlps(model, mlps)
+    old = swap_mlps_(model, mlps)
     try:
         yield model
     finally:
-        swap_mlps(model, old)
+        swap_mlps_(model, old)
 
 
 class MaskedMLP(nn.Module):
@@ -415,3 +415,8 @@ def mean_density(mlps: Sequence[nn.Module]) -> float:
     """Mean fraction of neurons read in the last call, over the SparseMLPs given."""
     values = [m.last_density for m in mlps if isinstance(m, SparseMLP)]
     return sum(values) / len(values) if values else 1.0
+
+
+# The names before the in-place convention (a trailing underscore), kept for existing code.
+sparsify = sparsify_
+swap_mlps = swap_mlps_

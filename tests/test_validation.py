@@ -342,6 +342,11 @@ CLI_CASES: list[tuple[list[str], str]] = [
     (["bench", "speculative", "--repeats", "0"], "repeats must be at least 1"),
     (["bench", "speculative", "--gamma", "0"], "gamma must be at least 1"),
     (["bench", "speculative", "--sparsity", "1.5"], r"sparsity must be in \[0, 1\)"),
+    (["bench", "quant", "--repeats", "0"], "--repeats must be at least 1"),
+    (["bench", "quant", "--group-size", "0"], "group_size must be a positive number"),
+    (["bench", "quant", "--prompt", " "], "--prompt is empty"),
+    (["bench", "quant", "--linear-repeats", "0"], "--linear-repeats must be at least 1"),
+    (["bench", "sparse-ffn", "--repeats", "0"], "repeats must be at least 1"),
 ]
 if not torch.cuda.is_available():
     CLI_CASES.append((["info", "--device", "cuda"], "sees no CUDA GPU"))
