@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from .kernels.cpu import load_source_library
 from .model import MLP, Attention, Block, KVCache, Linear, RMSNorm, Transformer
+from .quant import Int8Linear
 from .rope import rope_cos_sin
 from .sparse_mlp import SparseMLP
 from .sparsity import MagnitudeThreshold
@@ -53,12 +54,19 @@ _f = ctypes.POINTER(ctypes.c_float)
 _i64, _flt, _i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 
+class Mat(ctypes.Structure):
+    """A weight matrix for C: float32 data (scale NULL), or int8 codes and float32 row scales."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
 class AttnLayer(ctypes.Structure):
     _fields_ = [
         *[(n, _i64) for n in ("dim", "n_heads", "n_kv_heads", "head_dim", "max_seq")],
         ("eps", _flt),
         ("rope_scale", _flt),
-        *[(n, ctypes.c_void_p) for n in ("norm", "inv_freq", "wq", "wk", "wv", "wo")],
+        *[(n, ctypes.c_void_p) for n in ("norm", "inv_freq")],
+        *[(n, Mat) for n in ("wq", "wk", "wv", "wo")],
         *[(n, ctypes.c_void_p) for n in ("bq", "bk", "bv", "bo", "k_cache", "v_cache")],
         ("input", Slot),
     ]
@@ -69,7 +77,9 @@ class MlpLayer(ctypes.Structure):
         ("dim", _i64),
         ("ffn", _i64),
         ("eps", _flt),
-        *[(n, ctypes.c_void_p) for n in ("norm", "wg", "wu", "wd", "bg", "bu", "bd")],
+        ("norm", ctypes.c_void_p),
+        *[(n, Mat) for n in ("wg", "wu", "wd")],
+        *[(n, ctypes.c_void_p) for n in ("bg", "bu", "bd")],
         ("act", _i32),
         ("act_threshold", _flt),
         ("input", Slot),
@@ -102,7 +112,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attn_step.argtypes, lib.attn_step.restype = [p, p, i64, i64, p, c_int], c_int
     lib.mlp_step.argtypes, lib.mlp_step.restype = [p, p, i64, p, c_int], c_int
     lib.sparse_mlp_step.argtypes, lib.sparse_mlp_step.restype = [p, p, p, c_int], i64
-    lib.lm_head_step.argtypes = [p, i64, p, ctypes.c_float, p, i64, i64, p, p, c_int]
+    lib.lm_head_step.argtypes = [p, i64, p, ctypes.c_float, ctypes.POINTER(Mat), i64, i64, p, p]
+    lib.lm_head_step.argtypes.append(c_int)
     lib.lm_head_step.restype = c_int
 
 
@@ -171,12 +182,32 @@ def _plain_f32(*tensors: Tensor | None) -> bool:
 
 
 def _linear_ok(lin: nn.Module) -> bool:
+    """A projection the C step reads: a float32 ``nn.Linear``, or a weight-only ``Int8Linear``."""
+    if _hooked(lin):
+        return False
+    if type(lin) in (Linear, nn.Linear):
+        return _plain_f32(lin.weight, lin.bias)
     return (
-        type(lin) in (Linear, nn.Linear) and not _hooked(lin) and _plain_f32(lin.weight, lin.bias)
+        type(lin) is Int8Linear
+        and lin.q.device.type == "cpu"
+        and lin.q.dtype == torch.int8
+        and lin.q.is_contiguous()
+        and _plain_f32(lin.bias)
     )
 
 
-def attn_layer(layer: Block, cache: object, model: Transformer) -> AttnLayer | None:
+def mat(lin: nn.Module, keep: list[Tensor]) -> Mat:
+    """The C view of a projection accepted by ``_linear_ok``; ``keep`` holds what it points to."""
+    if type(lin) is not Int8Linear:
+        return Mat(lin.weight.data_ptr(), None)
+    scale = lin.scale.float().contiguous()  # the layer keeps bfloat16 scales for torch's kernel
+    keep.append(scale)
+    return Mat(lin.q.data_ptr(), scale.data_ptr())
+
+
+def attn_layer(
+    layer: Block, cache: object, model: Transformer, keep: list[Tensor]
+) -> AttnLayer | None:
     """The C description of a block's attention half, or None when torch must run it."""
     attn, c = layer.attn, model.config
     slot = slot_of(layer.attn_in_act)
@@ -201,7 +232,7 @@ def attn_layer(layer: Block, cache: object, model: Transformer) -> AttnLayer | N
         model.rope_scale,
         _ptr(layer.attn_norm.weight),
         _ptr(model.inv_freq),
-        *[_ptr(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
+        *[mat(p, keep) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
         *[_ptr(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
         _ptr(cache.k),
         _ptr(cache.v),
@@ -209,7 +240,7 @@ def attn_layer(layer: Block, cache: object, model: Transformer) -> AttnLayer | N
     )
 
 
-def mlp_layer(layer: Block) -> MlpLayer | SparseMlpLayer | None:
+def mlp_layer(layer: Block, keep: list[Tensor]) -> MlpLayer | SparseMlpLayer | None:
     """The C description of a block's MLP half (dense or sparse), or None for torch."""
     mlp, norm = layer.mlp, layer.mlp_norm
     slot = slot_of(layer.mlp_in_act)
@@ -233,7 +264,7 @@ def mlp_layer(layer: Block) -> MlpLayer | SparseMlpLayer | None:
         mlp.gate_proj.out_features,
         norm.eps,
         _ptr(norm.weight),
-        *[_ptr(p.weight) for p in projections],
+        *[mat(p, keep) for p in projections],
         *[_ptr(p.bias) for p in projections],
         act[0],
         act[1],
@@ -322,13 +353,14 @@ class Decoder:
         usable = lib is not None and not _global_hooks() and not _hooked(model)
         self.halves: list[Half] = []
         self.whole_layer: list[bool] = []  # layers that run as one torch Block call
+        self._keep: list[Tensor] = []  # float32 copies of int8 scales the C views point to
         for i, layer in enumerate(model.layers):
             plain = usable and type(layer) is Block and not _hooked(layer)
             self.whole_layer.append(not plain)
-            attn = attn_layer(layer, cache[i], model) if plain else None
+            attn = attn_layer(layer, cache[i], model, self._keep) if plain else None
             self.halves += [
                 Half(i, "attn", attn),
-                Half(i, "mlp", mlp_layer(layer) if plain else None),
+                Half(i, "mlp", mlp_layer(layer, self._keep) if plain else None),
             ]
         head, norm = model.lm_head, model.norm
         self.c_head = (
@@ -339,6 +371,7 @@ class Decoder:
             and not _hooked(norm)
             and _plain_f32(norm.weight)
         )
+        self._head_mat = mat(head, self._keep) if self.c_head else None
         self.threads = max(1, torch.get_num_threads())
         sizes = [c.dim]
         for h in self.halves:
@@ -455,7 +488,7 @@ class Decoder:
             return "torch"
         self.lib.lm_head_step(
             x.data_ptr(), n, model.norm.weight.data_ptr(), model.norm.eps,
-            model.lm_head.weight.data_ptr(), logits.shape[1], x.shape[1],
+            ctypes.byref(self._head_mat), logits.shape[1], x.shape[1],
             self.scratch.data_ptr(), logits.data_ptr(), self.threads,
         )  # fmt: skip
         return "lm head"

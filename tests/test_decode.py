@@ -231,3 +231,20 @@ def test_more_tokens_than_one_call_takes_is_an_error():
         decoder = Decoder(model, make_cache(model.config, 1, 32))
         with pytest.raises(ValueError, match="1 to 8 tokens"):
             decoder.forward(list(range(9)), 0)
+
+
+@needs_compiler
+def test_int8_weights_run_in_c_and_equal_their_dequantized_math():
+    """Weight-only int8 projections (chapter 09's packed layers, LM head included) run in C:
+    s_i * sum_k q_ik x_k in float32 equals F.linear with the dequantized weight, which the
+    reference uses (``fast = False``: no bfloat16 activations)."""
+    from minisparse.quant import Int8Linear, quantize_model
+
+    model = quantize_model(tiny_model(seed=18, std=0.1, dim=64, head_dim=16), bits=8, packed=True)
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(int8) == 7 * model.config.n_layers + 1
+    for m in int8:
+        m.fast = False
+    ref, got, decoder = decode_both(model)
+    assert all_c(decoder)
+    assert_close(ref, got)

@@ -17,6 +17,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #define THREAD_ID() omp_get_thread_num()
@@ -49,6 +52,14 @@ static inline float hsum(v16 v) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+/* A weight matrix [rows, cols], row-major: float32 (scale == NULL), or weight-only int8 codes
+   with one float32 scale per row, w_ij = scale_i * q_ij (chapter 09's Int8Linear): a quarter of
+   the bytes to stream, turned into floats in registers. */
+typedef struct {
+    const void* data;
+    const float* scale;
+} Mat;
+
 /* What a projection's input goes through first: a ReLU and/or a magnitude threshold
    (|v| <= threshold -> 0; a negative threshold means none). Identity is {0, -1}. */
 typedef struct {
@@ -62,7 +73,7 @@ typedef struct {
     int64_t dim, n_heads, n_kv_heads, head_dim, max_seq;
     float eps, rope_scale;
     const float *norm, *inv_freq;                /* [dim], [head_dim / 2] */
-    const float *wq, *wk, *wv, *wo;              /* [out, in] row-major */
+    Mat wq, wk, wv, wo;                          /* [out, in] row-major */
     const float *bq, *bk, *bv, *bo;              /* biases or NULL */
     float *k_cache, *v_cache;                    /* [n_kv_heads, max_seq, head_dim] */
     Slot in;                                     /* layers[i].attn_in_act */
@@ -72,7 +83,7 @@ typedef struct {
     int64_t dim, ffn;
     float eps;
     const float* norm;
-    const float *wg, *wu, *wd;                   /* [ffn, dim], [ffn, dim], [dim, ffn] */
+    Mat wg, wu, wd;                              /* [ffn, dim], [ffn, dim], [dim, ffn] */
     const float *bg, *bu, *bd;
     int32_t act;                                 /* ACT_* */
     float act_threshold;                         /* CATS threshold on act(gate), < 0: none */
@@ -147,15 +158,107 @@ static inline void dot4(const float* W, int64_t K, const float* x, float* y) {
     y[0] = s0, y[1] = s1, y[2] = s2, y[3] = s3;
 }
 
+/* 16 weights of M from element `off` on, as floats (int8 codes converted in registers). */
+static inline v16 load16_i8(const int8_t* p);
+
+static inline v16 mat16(Mat M, int64_t off) {
+    return M.scale ? load16_i8((const int8_t*)M.data + off) : load16((const float*)M.data + off);
+}
+
+static inline float mat1(Mat M, int64_t off) {
+    return M.scale ? (float)((const int8_t*)M.data)[off] : ((const float*)M.data)[off];
+}
+
+static inline float row_scale(Mat M, int64_t i) { return M.scale ? M.scale[i] : 1.0f; }
+
+/* out[b] = M[i] . X[b] for B <= MAX_TOKENS token vectors X [B, K]: the row is read once and
+   multiplied with every token's vector while it is in registers. */
+static inline void mdot_tokens(Mat M, int64_t i, const float* X, int64_t B, int64_t K,
+                               float* out) {
+    v16 acc[MAX_TOKENS];
+    for (int64_t b = 0; b < B; b++) acc[b] = (v16){0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        v16 w = mat16(M, i * K + k);
+        for (int64_t b = 0; b < B; b++) acc[b] += w * load16(X + b * K + k);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float s = hsum(acc[b]);
+        for (int64_t kk = k; kk < K; kk++) s += mat1(M, i * K + kk) * X[b * K + kk];
+        out[b] = s * row_scale(M, i);
+    }
+}
+
+/* 16 int8 codes as floats. Compilers turn a generic conversion into 16 scalar ones, so x86
+   gets the sign-extend + convert instructions by name (two of each with AVX2 only). */
+static inline v16 load16_i8(const int8_t* p) {
+    v16 r;
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    __builtin_memcpy(&r, &f, 64);
+#elif defined(__AVX2__)
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+    __builtin_memcpy(&r, &lo, 32);
+    __builtin_memcpy((char*)&r + 32, &hi, 32);
+#else
+    for (int q = 0; q < 16; q++) r[q] = (float)p[q];
+#endif
+    return r;
+}
+
+/* q . b for int8 codes q, with two accumulators. */
+static inline float dot_i8(const int8_t* q, const float* b, int64_t n) {
+    v16 s0 = {0}, s1 = {0};
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        s0 += load16_i8(q + k) * load16(b + k);
+        s1 += load16_i8(q + k + 16) * load16(b + k + 16);
+    }
+    for (; k + 16 <= n; k += 16) s0 += load16_i8(q + k) * load16(b + k);
+    float s = hsum(s0 + s1);
+    for (; k < n; k++) s += q[k] * b[k];
+    return s;
+}
+
+/* M[i] . x for one token. */
+static inline float mdot(Mat M, int64_t i, const float* x, int64_t K) {
+    if (!M.scale) return dot((const float*)M.data + i * K, x, K);
+    return M.scale[i] * dot_i8((const int8_t*)M.data + i * K, x, K);
+}
+
+/* y[i..i+3] = M[i..i+3] . x: four independent row streams, x read once. */
+static inline void mdot4(Mat M, int64_t i, int64_t K, const float* x, float* y) {
+    if (!M.scale) {
+        dot4((const float*)M.data + i * K, K, x, y);
+        return;
+    }
+    const int8_t* r0 = (const int8_t*)M.data + i * K;
+    const int8_t *r1 = r0 + K, *r2 = r0 + 2 * K, *r3 = r0 + 3 * K;
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        v16 xv = load16(x + k);
+        a0 += load16_i8(r0 + k) * xv;
+        a1 += load16_i8(r1 + k) * xv;
+        a2 += load16_i8(r2 + k) * xv;
+        a3 += load16_i8(r3 + k) * xv;
+    }
+    float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+    for (int r = 0; r < 4; r++) {
+        for (int64_t kk = k; kk < K; kk++) s[r] += r0[r * K + kk] * x[kk];
+        y[r] = s[r] * M.scale[i + r];
+    }
+}
+
 /* y = W x (+ b) over rows [0, N), split between the team's threads (called inside a parallel
    region by every thread; no barrier at the end). */
-static void gemv_rows(const float* W, const float* b, const float* x, float* y, int64_t N,
-                      int64_t K) {
+static void gemv_rows(Mat W, const float* b, const float* x, float* y, int64_t N, int64_t K) {
     int64_t blocks = N / 4;
     #pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < blocks; i++) dot4(W + 4 * i * K, K, x, y + 4 * i);
+    for (int64_t i = 0; i < blocks; i++) mdot4(W, 4 * i, K, x, y + 4 * i);
     #pragma omp for schedule(static) nowait
-    for (int64_t i = 4 * blocks; i < N; i++) y[i] = dot(W + i * K, x, K);
+    for (int64_t i = 4 * blocks; i < N; i++) y[i] = mdot(W, i, x, K);
     if (b) {
         #pragma omp barrier
         #pragma omp for schedule(static) nowait
@@ -163,32 +266,11 @@ static void gemv_rows(const float* W, const float* b, const float* x, float* y, 
     }
 }
 
-/* out[b] = row . X[b] for B <= MAX_TOKENS token vectors X [B, K] (row-major): the row is read
-   once and multiplied with every token's vector while it is in registers. */
-static inline void dot_tokens(const float* row, const float* X, int64_t B, int64_t K, float* out) {
-    if (B == 1) {
-        out[0] = dot(row, X, K);
-        return;
-    }
-    v16 acc[MAX_TOKENS];
-    for (int64_t b = 0; b < B; b++) acc[b] = (v16){0};
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        v16 w = load16(row + k);
-        for (int64_t b = 0; b < B; b++) acc[b] += w * load16(X + b * K + k);
-    }
-    for (int64_t b = 0; b < B; b++) {
-        float s = hsum(acc[b]);
-        for (int64_t kk = k; kk < K; kk++) s += row[kk] * X[b * K + kk];
-        out[b] = s;
-    }
-}
-
 /* Y[b] = W X[b] (+ bias) for B tokens (X [B, K], Y [B, N]): each weight is read once for all B,
    so a few tokens cost about what one costs while the weights, not the arithmetic, are the
    limit (speculative decoding's verification pass). No barrier at the end. */
-static void gemm_rows(const float* W, const float* bias, const float* X, float* Y, int64_t B,
-                      int64_t N, int64_t K) {
+static void gemm_rows(Mat W, const float* bias, const float* X, float* Y, int64_t B, int64_t N,
+                      int64_t K) {
     if (B == 1) {
         gemv_rows(W, bias, X, Y, N, K);
         return;
@@ -196,7 +278,7 @@ static void gemm_rows(const float* W, const float* bias, const float* X, float* 
     #pragma omp for schedule(static) nowait
     for (int64_t i = 0; i < N; i++) {
         float out[MAX_TOKENS];
-        dot_tokens(W + i * K, X, B, K, out);
+        mdot_tokens(W, i, X, B, K, out);
         for (int64_t b = 0; b < B; b++) Y[b * N + i] = out[b] + (bias ? bias[i] : 0.0f);
     }
 }
@@ -323,8 +405,13 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < F; j++) {
             float g[MAX_TOKENS], u[MAX_TOKENS];
-            dot_tokens(L->wg + j * D, n, B, D, g);
-            dot_tokens(L->wu + j * D, n, B, D, u);
+            if (B == 1) {
+                g[0] = mdot(L->wg, j, n, D);
+                u[0] = mdot(L->wu, j, n, D);
+            } else {
+                mdot_tokens(L->wg, j, n, B, D, g);
+                mdot_tokens(L->wu, j, n, B, D, u);
+            }
             for (int64_t b = 0; b < B; b++) {
                 float a = activate(L->act, g[b] + (L->bg ? L->bg[j] : 0.0f));
                 if (L->act_threshold >= 0.0f && fabsf(a) <= L->act_threshold) a = 0.0f;
@@ -433,14 +520,14 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
 
 /* logits[b] = W_out RMSNorm(x[b]) for B <= MAX_TOKENS tokens (the LM head; W_out [vocab, dim],
    logits [B, vocab]). Returns 1 when B is out of range. */
-int lm_head_step(const float* x, int64_t B, const float* norm, float eps, const float* w_out,
+int lm_head_step(const float* x, int64_t B, const float* norm, float eps, const Mat* w_out,
                  int64_t vocab, int64_t dim, float* scratch, float* logits, int num_threads) {
     if (B < 1 || B > MAX_TOKENS) return 1;
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) rmsnorm(x + b * dim, norm, eps, dim, scratch + b * dim);
-        gemm_rows(w_out, 0, scratch, logits, B, vocab, dim);
+        gemm_rows(*w_out, 0, scratch, logits, B, vocab, dim);
     }
     return 0;
 }
