@@ -159,34 +159,37 @@ static inline void dot4(const float* W, int64_t K, const float* x, float* y) {
 }
 
 /* 16 weights of M from element `off` on, as floats (int8 codes converted in registers). */
+/* out[b] = row . X[b] for B <= MAX_TOKENS token vectors X [B, K]: the row is read once and
+   multiplied with every token's vector while it is in registers. LOAD16 reads 16 weights as
+   floats (float32 or int8 rows: one loop each, so neither pays for the other's branch). */
+#define DOT_TOKENS(NAME, T, LOAD16)                                                          \
+    static inline void NAME(const T* row, const float* X, int64_t B, int64_t K, float* out) { \
+        v16 acc[MAX_TOKENS];                                                                 \
+        for (int64_t b = 0; b < B; b++) acc[b] = (v16){0};                                   \
+        int64_t k = 0;                                                                       \
+        for (; k + 16 <= K; k += 16) {                                                       \
+            v16 w = LOAD16(row + k);                                                         \
+            for (int64_t b = 0; b < B; b++) acc[b] += w * load16(X + b * K + k);             \
+        }                                                                                    \
+        for (int64_t b = 0; b < B; b++) {                                                    \
+            float s = hsum(acc[b]);                                                          \
+            for (int64_t kk = k; kk < K; kk++) s += (float)row[kk] * X[b * K + kk];          \
+            out[b] = s;                                                                      \
+        }                                                                                    \
+    }
+
 static inline v16 load16_i8(const int8_t* p);
+DOT_TOKENS(dot_tokens_f32, float, load16)
+DOT_TOKENS(dot_tokens_i8, int8_t, load16_i8)
 
-static inline v16 mat16(Mat M, int64_t off) {
-    return M.scale ? load16_i8((const int8_t*)M.data + off) : load16((const float*)M.data + off);
-}
-
-static inline float mat1(Mat M, int64_t off) {
-    return M.scale ? (float)((const int8_t*)M.data)[off] : ((const float*)M.data)[off];
-}
-
-static inline float row_scale(Mat M, int64_t i) { return M.scale ? M.scale[i] : 1.0f; }
-
-/* out[b] = M[i] . X[b] for B <= MAX_TOKENS token vectors X [B, K]: the row is read once and
-   multiplied with every token's vector while it is in registers. */
 static inline void mdot_tokens(Mat M, int64_t i, const float* X, int64_t B, int64_t K,
                                float* out) {
-    v16 acc[MAX_TOKENS];
-    for (int64_t b = 0; b < B; b++) acc[b] = (v16){0};
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        v16 w = mat16(M, i * K + k);
-        for (int64_t b = 0; b < B; b++) acc[b] += w * load16(X + b * K + k);
+    if (!M.scale) {
+        dot_tokens_f32((const float*)M.data + i * K, X, B, K, out);
+        return;
     }
-    for (int64_t b = 0; b < B; b++) {
-        float s = hsum(acc[b]);
-        for (int64_t kk = k; kk < K; kk++) s += mat1(M, i * K + kk) * X[b * K + kk];
-        out[b] = s * row_scale(M, i);
-    }
+    dot_tokens_i8((const int8_t*)M.data + i * K, X, B, K, out);
+    for (int64_t b = 0; b < B; b++) out[b] *= M.scale[i];
 }
 
 /* 16 int8 codes as floats. Compilers turn a generic conversion into 16 scalar ones, so x86
