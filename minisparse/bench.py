@@ -223,13 +223,17 @@ def bench_decode_models(
     repeats: int = 5,
     warmup: int = 1,
     progress: bool = True,
+    compiled: bool = True,
 ) -> dict[str, ModelSpeed]:
-    """Greedy decode tokens/s of several minisparse models on one prompt, side by side."""
+    """Greedy decode tokens/s of several minisparse models on one prompt, side by side
+    (``compiled``: ``generate``'s decode steps)."""
     from .generate import encode_prompt, generate
 
     ids = encode_prompt(tokenizer, prompt)
     runs = {
-        name: functools.partial(generate, m, tokenizer, ids, max_new_tokens=max_new_tokens)
+        name: functools.partial(
+            generate, m, tokenizer, ids, max_new_tokens=max_new_tokens, compiled=compiled
+        )
         for name, m in models.items()
     }
     return interleaved_decode(runs, repeats, warmup, progress)

@@ -12,7 +12,10 @@ linear layers' share of a step, the time of each layer shape in each format, and
 (attention over the KV cache, norms, RoPE, the Python loop), which the weights' format does not
 touch.
 
-Variants: ``fp32`` (the loaded model: streaming C GEMV on input-major weights), ``bf16`` (all
+Every variant decodes as torch modules (``generate(compiled=False)``), so that a step splits
+into the swept linear layers and the rest; ``generate``'s default compiled step
+(``minisparse.decode``) runs float32 and int8 faster still (``minisparse bench decode``, notebook
+00). Variants: ``fp32`` (the loaded model: torch's GEMV on ``nn.Linear`` weights), ``bf16`` (all
 weights and activations in bfloat16; torch's GEMV), ``int8`` (weight-only, one scale per output
 channel, ``_weight_int8pack_mm``), ``int4`` (weight-only, groups of ``--group-size``,
 ``_weight_int4pack_mm_for_cpu``). The quantized ones keep float32 activations between layers
@@ -169,7 +172,7 @@ def bench_quant(
     names = tuple(dict.fromkeys(("fp32", *names)))
     variants = make_variants(model, names, group_size)
     speeds = bench_decode_models(
-        variants, tokenizer, prompt, max_new_tokens, repeats, warmup, progress
+        variants, tokenizer, prompt, max_new_tokens, repeats, warmup, progress, compiled=False
     )
     linear = linear_times(variants, repeats=linear_repeats)
     bandwidth = read_bandwidth()
