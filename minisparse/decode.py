@@ -425,6 +425,14 @@ class Decoder:
                 f"Decoder.forward takes 1 to {MAX_TOKENS} tokens, got {n}; run longer chunks "
                 "through model(tokens, input_pos, cache)."
             )
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= int(t) < vocab for t in tokens):
+            raise ValueError(
+                f"Token ids must lie in 0 .. {vocab - 1} (the model's vocabulary), got "
+                f"{list(tokens)}; encode the text with this model's tokenizer."
+            )
+        if pos < 0:
+            raise ValueError(f"pos must be at least 0 (positions start at 0), got {pos}.")
         clock = Clock(times)
         ids = torch.tensor(list(tokens))
         if self.all_torch:  # nothing for C to do: the model's own forward, without our loop

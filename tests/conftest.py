@@ -54,6 +54,18 @@ def hf_reference():
     return model.eval()
 
 
+class IdTokenizer:
+    """Stands in for a tokenizer on tiny random models: ids are written as numbers."""
+
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(t) for t in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids)
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """A small random-weight config (2 layers) for fast exactness tests."""
     base = {

@@ -9,7 +9,7 @@ import pytest
 import minisparse
 import minisparse.cli
 import minisparse.loading
-from conftest import save_tiny_hf, tiny_model
+from conftest import IdTokenizer, save_tiny_hf, tiny_model
 from minisparse.bench import bench_decode, median_time
 from minisparse.cli import main
 from minisparse.hf import to_hf
@@ -140,18 +140,6 @@ def test_predictors_command_trains_saves_and_reports(tmp_path, capsys, monkeypat
     loaded = Predictors.load(out, base)
     assert loaded.ranks == scores["rank"] and len(loaded.ranks) == 2 and loaded.head_keep == 3
     assert 0.0 < scores["mean_recall"] <= 1.0
-
-
-class IdTokenizer:
-    """Stands in for a tokenizer on tiny random models: ids are written as numbers."""
-
-    eos_token_id = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [int(t) for t in text.split()]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" {i}" for i in ids)
 
 
 @pytest.fixture

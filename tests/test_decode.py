@@ -225,6 +225,17 @@ def test_several_tokens_through_a_sparse_mlp_run_it_as_torch():
     assert "torch" in times and "sparse mlp" not in times and "attention" in times
 
 
+def test_token_ids_outside_the_vocabulary_and_negative_positions_are_errors():
+    model = tiny_model(seed=19)
+    with torch.inference_mode():
+        decoder = Decoder(model, make_cache(model.config, 1, 8))
+        for bad in ([97], [-1], [3, 1000]):
+            with pytest.raises(ValueError, match="vocabulary"):
+                decoder.forward(bad, 0)
+        with pytest.raises(ValueError, match="pos must be at least 0"):
+            decoder.step(1, -1)
+
+
 def test_more_tokens_than_one_call_takes_is_an_error():
     model = tiny_model(seed=17)
     with torch.inference_mode():

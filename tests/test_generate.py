@@ -5,22 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import IdTokenizer, tiny_model
 from minisparse.bench import hf_greedy
 from minisparse.generate import encode_prompt, generate, logits_to_probs, next_token
 from minisparse.hf import to_hf
-
-
-class IdTokenizer:
-    """Stands in for a tokenizer on tiny random models: ids are written as numbers."""
-
-    eos_token_id = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [int(t) for t in text.split()]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" {i}" for i in ids)
 
 
 def test_cache_equals_no_cache_on_embedded_model(embedded):

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import minisparse.loading
-from conftest import tiny_config, tiny_model
+from conftest import IdTokenizer, tiny_config, tiny_model
 from minisparse import finetune as F
 from minisparse import kvcache as K
 from minisparse import predictors as P
@@ -32,19 +32,6 @@ from minisparse.generate import encode_prompt, generate, next_token
 from minisparse.model import ModelConfig, make_cache
 from minisparse.relufy import relufy, relufy_and_finetune
 from minisparse.tour import FIGURE_NAME, figure_path
-
-
-class IdTokenizer:
-    """Ids written as numbers (the tiny models have no real tokenizer)."""
-
-    eos_token_id = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [int(t) for t in text.split()]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" {i}" for i in ids)
-
 
 MODEL = tiny_model(seed=3)  # vocab 97, 2 layers, context 96; no case changes it
 TOK = IdTokenizer()

@@ -115,18 +115,25 @@ static inline float activate(int act, float v) {
     return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
 }
 
-static inline float dot(const float* a, const float* b, int64_t n) {
-    v16 s0 = {0}, s1 = {0};
-    int64_t k = 0;
-    for (; k + 32 <= n; k += 32) {
-        s0 += load16(a + k) * load16(b + k);
-        s1 += load16(a + k + 16) * load16(b + k + 16);
+/* a . b with two vector accumulators; LOAD16 reads 16 of a's values as floats (float32 rows,
+   or int8 codes widened in registers: one function each, the same loop). */
+#define DOT(NAME, T, LOAD16)                                                  \
+    static inline float NAME(const T* a, const float* b, int64_t n) {         \
+        v16 s0 = {0}, s1 = {0};                                               \
+        int64_t k = 0;                                                        \
+        for (; k + 32 <= n; k += 32) {                                        \
+            s0 += LOAD16(a + k) * load16(b + k);                              \
+            s1 += LOAD16(a + k + 16) * load16(b + k + 16);                    \
+        }                                                                     \
+        for (; k + 16 <= n; k += 16) s0 += LOAD16(a + k) * load16(b + k);     \
+        float s = hsum(s0 + s1);                                              \
+        for (; k < n; k++) s += (float)a[k] * b[k];                           \
+        return s;                                                             \
     }
-    for (; k + 16 <= n; k += 16) s0 += load16(a + k) * load16(b + k);
-    float s = hsum(s0 + s1);
-    for (; k < n; k++) s += a[k] * b[k];
-    return s;
-}
+
+static inline v16 load16_i8(const int8_t* p);
+DOT(dot, float, load16)
+DOT(dot_i8, int8_t, load16_i8)
 
 /* a . b, asking the memory system for the row `next` (may be NULL) meanwhile: a gathered row is
    a short burst that the hardware prefetcher has not locked onto yet (chapter 07). */
@@ -178,7 +185,6 @@ static inline void dot4(const float* W, int64_t K, const float* x, float* y) {
         }                                                                                    \
     }
 
-static inline v16 load16_i8(const int8_t* p);
 DOT_TOKENS(dot_tokens_f32, float, load16)
 DOT_TOKENS(dot_tokens_i8, int8_t, load16_i8)
 
@@ -208,20 +214,6 @@ static inline v16 load16_i8(const int8_t* p) {
     for (int q = 0; q < 16; q++) r[q] = (float)p[q];
 #endif
     return r;
-}
-
-/* q . b for int8 codes q, with two accumulators. */
-static inline float dot_i8(const int8_t* q, const float* b, int64_t n) {
-    v16 s0 = {0}, s1 = {0};
-    int64_t k = 0;
-    for (; k + 32 <= n; k += 32) {
-        s0 += load16_i8(q + k) * load16(b + k);
-        s1 += load16_i8(q + k + 16) * load16(b + k + 16);
-    }
-    for (; k + 16 <= n; k += 16) s0 += load16_i8(q + k) * load16(b + k);
-    float s = hsum(s0 + s1);
-    for (; k < n; k++) s += q[k] * b[k];
-    return s;
 }
 
 /* M[i] . x for one token. */
