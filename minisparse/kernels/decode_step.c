@@ -143,27 +143,28 @@ static inline float dot_next(const float* a, const float* b, int64_t n, const fl
     return dot(a, b, n);
 }
 
-/* y[i] = W[i] . x for four consecutive rows at once: four independent streams, x read once. */
-static inline void dot4(const float* W, int64_t K, const float* x, float* y) {
-    const float *r0 = W, *r1 = W + K, *r2 = W + 2 * K, *r3 = W + 3 * K;
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        v16 xv = load16(x + k);
-        a0 += load16(r0 + k) * xv;
-        a1 += load16(r1 + k) * xv;
-        a2 += load16(r2 + k) * xv;
-        a3 += load16(r3 + k) * xv;
+/* y[r] = W[r] . x for the four consecutive rows of W [4, K]: four independent streams, x read
+   once. LOAD16 reads 16 weights as floats (float32 rows or int8 codes, one function each). */
+#define DOT4(NAME, T, LOAD16)                                                           \
+    static inline void NAME(const T* W, int64_t K, const float* x, float* y) {          \
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                     \
+        int64_t k = 0;                                                                  \
+        for (; k + 16 <= K; k += 16) {                                                  \
+            v16 xv = load16(x + k);                                                     \
+            a0 += LOAD16(W + k) * xv;                                                   \
+            a1 += LOAD16(W + K + k) * xv;                                               \
+            a2 += LOAD16(W + 2 * K + k) * xv;                                           \
+            a3 += LOAD16(W + 3 * K + k) * xv;                                           \
+        }                                                                               \
+        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};                          \
+        for (int r = 0; r < 4; r++) {                                                   \
+            for (int64_t kk = k; kk < K; kk++) s[r] += (float)W[r * K + kk] * x[kk];    \
+            y[r] = s[r];                                                                \
+        }                                                                               \
     }
-    float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-    for (; k < K; k++) {
-        s0 += r0[k] * x[k];
-        s1 += r1[k] * x[k];
-        s2 += r2[k] * x[k];
-        s3 += r3[k] * x[k];
-    }
-    y[0] = s0, y[1] = s1, y[2] = s2, y[3] = s3;
-}
+
+DOT4(dot4, float, load16)
+DOT4(dot4_i8, int8_t, load16_i8)
 
 /* 16 weights of M from element `off` on, as floats (int8 codes converted in registers). */
 /* out[b] = row . X[b] for B <= MAX_TOKENS token vectors X [B, K]: the row is read once and
@@ -222,28 +223,14 @@ static inline float mdot(Mat M, int64_t i, const float* x, int64_t K) {
     return M.scale[i] * dot_i8((const int8_t*)M.data + i * K, x, K);
 }
 
-/* y[i..i+3] = M[i..i+3] . x: four independent row streams, x read once. */
+/* y[i..i+3] = M[i..i+3] . x (int8 rows scaled after the sum). */
 static inline void mdot4(Mat M, int64_t i, int64_t K, const float* x, float* y) {
     if (!M.scale) {
         dot4((const float*)M.data + i * K, K, x, y);
         return;
     }
-    const int8_t* r0 = (const int8_t*)M.data + i * K;
-    const int8_t *r1 = r0 + K, *r2 = r0 + 2 * K, *r3 = r0 + 3 * K;
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        v16 xv = load16(x + k);
-        a0 += load16_i8(r0 + k) * xv;
-        a1 += load16_i8(r1 + k) * xv;
-        a2 += load16_i8(r2 + k) * xv;
-        a3 += load16_i8(r3 + k) * xv;
-    }
-    float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-    for (int r = 0; r < 4; r++) {
-        for (int64_t kk = k; kk < K; kk++) s[r] += r0[r * K + kk] * x[kk];
-        y[r] = s[r] * M.scale[i + r];
-    }
+    dot4_i8((const int8_t*)M.data + i * K, K, x, y);
+    for (int r = 0; r < 4; r++) y[r] *= M.scale[i + r];
 }
 
 /* y = W x (+ b) over rows [0, N), split between the team's threads (called inside a parallel
