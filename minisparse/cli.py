@@ -7,6 +7,7 @@ minisparse bench decode                  minisparse vs transformers decode speed
 minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
 minisparse relufy --stage 1 --steps 200  ReLUfy and fine-tune by distillation (chapter 04)
 minisparse predictors                    train sparsity predictors and save them (chapter 06)
+minisparse offload --budget 0.3          hot/cold neuron placement and modelled speed (chapter 08)
 
 Every command checks its arguments before it loads a model. A mistake in them (or a model that
 cannot be loaded) prints one line, "error: ...", that says what to change, and exits with
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from . import offload_report
 from .generate import check_messages, check_sampling, check_seed
 from .loading import ModelLoadError, resolve_device
 from .model import check_count
@@ -362,6 +364,13 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--out", default=None, help="safetensors file (default: in the cache)")
     p.add_argument("--report", default=None, help="write the held-out scores as JSON here")
     p.set_defaults(func=cmd_predictors)
+
+    p = sub.add_parser(
+        "offload", help="hot/cold neuron placement, load and modelled speed", parents=[common]
+    )
+    p.add_argument("--model", default="smollm2-135m", help="as for the other commands")
+    offload_report.add_arguments(p)
+    p.set_defaults(func=offload_report.run)
 
     bench = sub.add_parser("bench", help="benchmarks", parents=[common])
     bench = bench.add_subparsers(dest="bench", required=True)

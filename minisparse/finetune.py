@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .cache import save_tensors_atomic
+from .machine import cpu_info, cpu_name
 from .model import Transformer, check_count
 from .sparsity import recording
 
@@ -236,14 +236,6 @@ def distillation_loss(
     return config.kd_weight * kl + (1 - config.kd_weight) * ce, kl, ce
 
 
-def cpu_info() -> str:
-    """The text of /proc/cpuinfo (Linux), or "" where there is none."""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def native_bf16(device: torch.device | str = "cpu") -> bool:
     """Whether ``device`` multiplies bf16 matrices natively (faster than fp32).
 
@@ -256,14 +248,6 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
         return torch.cuda.is_bf16_supported()
     flags = cpu_info()
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what ``platform`` knows; reports name their machine."""
-    for line in cpu_info().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def uses_bf16(config: FinetuneConfig, device: torch.device) -> bool:

@@ -172,24 +172,32 @@ class Target:
 
 
 def prediction_target(
-    base: Transformer, calibration: Tensor, sparsity: float = 0.5, stage: int = 1
+    base: Transformer,
+    calibration: Tensor,
+    sparsity: float = 0.5,
+    stage: int = 1,
+    site: str = "down_in",
 ) -> Target:
     """The fine-tuned ReLU model of chapter 04 when the cache has it, else the SiLU model.
 
-    For the SiLU model the active set is |h_j| > t_l with t_l calibrated on ``calibration`` at
-    ``sparsity`` (chapter 03's TEAL thresholds on the down projection's input).
+    For the SiLU model the active set is |x_j| > t_l at ``site`` with t_l calibrated on
+    ``calibration`` at ``sparsity``: chapter 03's TEAL thresholds on the down projection's input
+    h (``"down_in"``), or its CATS thresholds on act(W_gate x) (``"mlp_act"``).
     """
     from .relufy import load_relufied, result_dir
 
+    if site not in ("down_in", "mlp_act"):
+        raise ValueError(f"site must be 'down_in' or 'mlp_act', got {site!r}.")
     try:
         model, info = load_relufied(base, stage)
     except FileNotFoundError:
-        found = calibrate_thresholds(base, calibration, sparsity, ("down_in",), progress=False)
+        found = calibrate_thresholds(base, calibration, sparsity, (site,), progress=False)
+        what = "h" if site == "down_in" else "act(W_gate x)"
         return Target(
             base,
-            found["down_in"],
-            f"the embedded SiLU model; active = |h| above chapter 03's {sparsity:.0%} thresholds "
-            f"(no fine-tuned ReLU model in {result_dir(stage, 'mlp').parent})",
+            found[site],
+            f"the embedded SiLU model; active = |{what}| above chapter 03's {sparsity:.0%} "
+            f"thresholds (no fine-tuned ReLU model in {result_dir(stage, 'mlp').parent})",
         )
     steps = info.get("config", {}).get("steps", "?")
     zeros = info.get("finetuned", {}).get("zeros_mlp_act", float("nan"))

@@ -1,7 +1,8 @@
 """Every model state the library creates survives copying, saving and moving; one in-place rule.
 
 States: relufied (stages 1 and 2), thresholded, masked, quantized (fake RTN, W8A8, packed int8,
-packed int4 with and without the CPU kernel), LoRA, and streaming GEMV (input-major weights).
+packed int4 with and without the CPU kernel), LoRA, streaming GEMV (input-major weights) and
+offloaded (hot/cold MLPs).
 Each must give the same logits after ``copy.deepcopy``, after ``torch.save(state_dict)`` /
 ``torch.load(weights_only=True)`` / ``load_state_dict`` into the same structure built from other
 weights, and after a device / dtype round trip.
@@ -26,6 +27,8 @@ from minisparse import model as M
 from minisparse import quant as Q
 from minisparse import sparsity as S
 from minisparse.attention import regroup_kv_heads
+from minisparse.hybrid import apply
+from minisparse.offload import Placement
 from minisparse.relufy import relufy
 from minisparse.sparse_mlp import masked_mlps, swap_mlps
 
@@ -56,6 +59,13 @@ def lora(seed: int) -> nn.Module:
     return model
 
 
+def offloaded(seed: int) -> nn.Module:
+    """Chapter 08's hot/cold split, with a placement that does not depend on the seed."""
+    n = tiny_model().config.ffn_dim
+    hot = [torch.arange(n) % 3 == 0, torch.arange(n) < 20]
+    return apply(tiny_model(seed=seed), Placement(hot, 0, 0.0, "by hand", 1), thresholds=0.01)
+
+
 def streaming(seed: int) -> nn.Module:
     return M.use_streaming_gemv_(tiny_model(seed=seed))
 
@@ -81,6 +91,7 @@ STATES: dict[str, Callable[[int], nn.Module]] = {
     ),
     "lora": lora,
     "streaming GEMV": streaming,
+    "offloaded (hot/cold)": offloaded,
 }
 
 
@@ -174,6 +185,9 @@ COPIES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "quantize_model rtn": lambda m: Q.quantize_model(m, bits=4, group_size=16, progress=False),
     "quantize_model packed": lambda m: Q.quantize_model(m, packed=True, progress=False),
     "regroup_kv_heads": lambda m: regroup_kv_heads(m, 1),
+    "hybrid.apply": lambda m: apply(
+        m, Placement([torch.arange(80) < 40] * 2, 0, 0.0, "by hand", 1), thresholds=0.02
+    ),
 }
 
 

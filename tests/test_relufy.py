@@ -11,6 +11,7 @@ from torch import nn
 
 from conftest import tiny_model
 from minisparse import finetune as F
+from minisparse import machine
 from minisparse.hf import compare_logits, to_hf
 from minisparse.relufy import (
     load_relufied,
@@ -162,6 +163,7 @@ def test_bad_settings_are_clear_errors():
 def test_bf16_autocast_is_used_only_where_the_hardware_has_it(monkeypatch, flags, native):
     info = f"processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: {flags}\n"
     monkeypatch.setattr(F, "cpu_info", lambda: info)
+    monkeypatch.setattr(machine, "cpu_info", lambda: info)
     cpu = torch.device("cpu")
     assert F.native_bf16(cpu) is native
     assert F.cpu_name() == "Test CPU 9000"
