@@ -17,10 +17,12 @@ The roofline at batch 1: a decode step reads every weight once, so its time is a
 from __future__ import annotations
 
 import functools
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -237,3 +239,37 @@ def bench_decode_models(
         for name, m in models.items()
     }
     return interleaved_decode(runs, repeats, warmup, progress)
+
+
+def llama_cpp_decode(
+    gguf: str | Path,
+    prompt: str,
+    max_new_tokens: int = 64,
+    repeats: int = 5,
+    threads: int | None = None,
+) -> float | None:
+    """Greedy decode tokens/s of llama.cpp on the same GGUF file, or None without it.
+
+    llama.cpp comes from the optional ``llama-cpp-python`` package (never needed by the tests).
+    Like ``bench_decode``, each run times the whole call, prompt included, per new token; the
+    median of ``repeats`` runs after one warm-up.
+    """
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(gguf),
+        n_threads=threads or torch.get_num_threads(),
+        n_ctx=max(512, 4 * max_new_tokens),
+        verbose=False,
+    )
+    per_token = []
+    for i in range(1 + repeats):
+        llm.reset()
+        t0 = time.perf_counter()
+        out = llm(prompt, max_tokens=max_new_tokens, temperature=0.0, top_k=1)
+        elapsed = time.perf_counter() - t0
+        if i > 0:
+            per_token.append(elapsed / max(1, out["usage"]["completion_tokens"]))
+    return 1.0 / statistics.median(per_token)

@@ -155,7 +155,28 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             f"same tokens: {r.same_tokens}",
             flush=True,
         )
+    print_llama_cpp_row(args)
     return 0 if same else 1
+
+
+def print_llama_cpp_row(args: argparse.Namespace) -> None:
+    """llama.cpp on the model's own GGUF file, when llama-cpp-python is installed."""
+    from .bench import llama_cpp_decode
+    from .loading import embedded_gguf_path
+
+    gguf = Path(args.model) if args.model.endswith(".gguf") else None
+    if args.model == "smollm2-135m":
+        gguf = embedded_gguf_path()
+    if gguf is None:
+        print("llama.cpp: no GGUF file for this model; give --model FILE.gguf to compare")
+        return
+    rate = llama_cpp_decode(gguf, args.prompt, args.max_new_tokens, args.repeats)
+    if rate is None:
+        print("llama.cpp: not installed (optional: pip install llama-cpp-python)")
+    else:
+        print(
+            f"{'llama.cpp (' + gguf.name + ')':38s} {rate:6.1f} tok/s (its own weights' precision)"
+        )
 
 
 def cmd_relufy(args: argparse.Namespace) -> int:

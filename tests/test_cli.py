@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 
 import pytest
@@ -177,3 +179,36 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch, error):
 def test_debug_shows_the_traceback_of_user_errors(argv):
     with pytest.raises(ValueError, match="prompt is empty"):
         main(argv)
+
+
+def test_llama_cpp_row_uses_the_optional_package_when_present(monkeypatch):
+    """A stand-in for llama_cpp: the benchmark times its calls and counts its tokens."""
+    import sys
+    import types
+
+    from minisparse import bench
+
+    calls = []
+
+    class FakeLlama:
+        def __init__(self, model_path, n_threads, n_ctx, verbose):
+            calls.append(("init", model_path, n_threads))
+
+        def reset(self):
+            calls.append(("reset",))
+
+        def __call__(self, prompt, max_tokens, temperature, top_k):
+            calls.append(("run", prompt, max_tokens, temperature, top_k))
+            return {"usage": {"completion_tokens": max_tokens}}
+
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = FakeLlama
+    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    rate = bench.llama_cpp_decode("m.gguf", "hi", max_new_tokens=8, repeats=3, threads=2)
+    assert rate is not None and rate > 0
+    assert calls[0] == ("init", "m.gguf", 2)
+    assert calls.count(("run", "hi", 8, 0.0, 1)) == 4  # one warm-up and three timed runs
+    monkeypatch.delitem(sys.modules, "llama_cpp")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert bench.llama_cpp_decode("m.gguf", "hi") is None
