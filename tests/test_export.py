@@ -1,0 +1,165 @@
+"""Export round trips: what transformers reads back from our HF checkpoints and GGUF files."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from minisparse import export as E
+from minisparse import sparsity as S
+from minisparse.cli import main
+from minisparse.hybrid import apply
+from minisparse.offload import Placement
+from minisparse.relufy import relufy
+from minisparse.sparse_mlp import sparsify_
+
+#: A tiny config whose rows are multiples of 32 (q8_0 blocks) and whose heads are grouped.
+SHAPE = {"dim": 64, "ffn_dim": 96, "head_dim": 16, "n_heads": 4, "n_kv_heads": 2}
+TOKENS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def round_like_gguf(model, dtype):
+    """The model with its matrices rounded as the file stores them (norms stay fp32)."""
+    from gguf import GGMLQuantizationType, quants
+
+    q8 = GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2 and dtype == "f16":
+                p.copy_(p.half().float())
+            elif p.dim() == 2 and dtype == "q8_0":
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), q8), q8)))
+    return model
+
+
+def hf_logits(directory, tokens, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+    with torch.inference_mode():
+        return hf(tokens).logits
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_hf_export_loads_in_transformers_with_the_same_logits(tmp_path, stage):
+    model = tiny_model(seed=2, std=0.1, **SHAPE)
+    model = relufy(model, 1) if stage else model
+    E.export_hf(model, tmp_path)
+    with torch.inference_mode():
+        ours = model(TOKENS)
+    assert (hf_logits(tmp_path, TOKENS) - ours).abs().max() < 1e-4
+    if stage:
+        import json
+
+        assert json.loads((tmp_path / "config.json").read_text())["hidden_act"] == "relu"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_gguf_export_reads_back_through_transformers_gguf_loader(tmp_path, dtype):
+    model = tiny_model(seed=3, std=0.1, **SHAPE)
+    E.export_gguf(model, tmp_path / "m.gguf", dtype)
+    theirs = hf_logits(tmp_path, TOKENS, gguf_file="m.gguf")
+    with torch.inference_mode():
+        ours = round_like_gguf(model, dtype)(TOKENS)
+    assert (theirs - ours).abs().max() < 1e-4
+
+
+def test_the_rope_permutation_is_what_makes_the_gguf_file_right(tmp_path, monkeypatch):
+    """Without the per-head row permutation of W_q and W_k the logits come back wrong."""
+    model = tiny_model(seed=3, std=0.1, **SHAPE)
+    monkeypatch.setattr(E, "permute_for_gguf", lambda w, n_heads: w)
+    E.export_gguf(model, tmp_path / "m.gguf", "f32")
+    with torch.inference_mode():
+        ours = model(TOKENS)
+    assert (hf_logits(tmp_path, TOKENS, gguf_file="m.gguf") - ours).abs().max() > 1e-3
+
+
+def test_the_embedded_model_round_trips_through_hf_and_q8_0_gguf(embedded, tmp_path):
+    from minisparse.loading import embedded_gguf_path
+
+    model, tokenizer = embedded
+    ids = torch.tensor([tokenizer("The KV cache stores the keys and values")["input_ids"]])
+    with torch.inference_mode():
+        ours = model(ids)
+    E.export_hf(model, tmp_path / "hf", tokenizer)
+    assert (hf_logits(tmp_path / "hf", ids) - ours).abs().max() < 1e-4
+    E.export_gguf(model, tmp_path / "m.gguf", "q8_0", tokenizer_gguf=embedded_gguf_path())
+    theirs = hf_logits(tmp_path, ids, gguf_file="m.gguf")
+    with torch.inference_mode():
+        rounded = round_like_gguf(copy.deepcopy(model), "q8_0")(ids)
+    assert (theirs - rounded).abs().max() < 1e-3  # exactly the q8_0 weights, fp32 sums
+    assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() > 0.8
+    from transformers import AutoTokenizer
+
+    reread = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    assert reread("The KV cache")["input_ids"] == tokenizer("The KV cache")["input_ids"]
+
+
+def thresholded():
+    return S.apply_thresholds_(tiny_model(**SHAPE), {"mlp_act": [0.01, 0.01]})
+
+
+def sparse():
+    model = tiny_model(**SHAPE)
+    sparsify_(model, thresholds=0.01)
+    return model
+
+
+def split():
+    hot = [torch.arange(96) < 48] * 2
+    return apply(tiny_model(**SHAPE), Placement(hot, 0, 0.0, "by hand", 1), thresholds=0.0)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (thresholded, "transformers' Llama cannot express"),
+        (lambda: relufy(tiny_model(**SHAPE), 2), "transformers' Llama cannot express"),
+        (sparse, "export the dense model"),
+        (split, "export the dense model"),
+    ],
+)
+def test_models_that_llama_cannot_express_are_refused(tmp_path, make, message):
+    with pytest.raises(ValueError, match=message):
+        E.export_hf(make(), tmp_path)
+    with pytest.raises(ValueError, match=message):
+        E.export_gguf(make(), tmp_path / "m.gguf")
+
+
+def test_gguf_refuses_what_llama_cpp_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="SiLU MLPs only"):
+        E.export_gguf(relufy(tiny_model(**SHAPE), 1), tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        E.export_gguf(tiny_model(), tmp_path / "m.gguf", "q8_0")
+    with pytest.raises(ValueError, match="Unknown GGUF dtype"):
+        E.export_gguf(tiny_model(), tmp_path / "m.gguf", "q4_0")
+
+
+def test_a_placement_round_trips_through_its_file(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    hot = [torch.rand(96, generator=gen) > 0.5 for _ in range(3)]
+    E.save_placement(Placement(hot, 10, 1.0, "ilp", 1234), tmp_path / "p.safetensors")
+    back = E.load_placement(tmp_path / "p.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(back.hot, hot, strict=True))
+    assert back.policy == "ilp" and back.budget_bytes == 1234
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["export", "d", "--dtype", "f16"], "--dtype applies to --format gguf only"),
+        (["export", "m.gguf", "--format", "gguf", "--dtype", "q4"], "--dtype must be one of"),
+        (["export", "out_dir", "--format", "gguf"], "ending in .gguf"),
+        (["export", "m.gguf", "--format", "gguf", "--relu"], "SiLU MLPs only"),
+        (["export", "d", "--predictors", "missing.safetensors"], "No predictors file"),
+    ],
+)
+def test_export_command_checks_its_arguments_before_loading(argv, message, monkeypatch, capsys):
+    import minisparse.loading
+
+    monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: pytest.fail("loaded"))
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
