@@ -8,6 +8,7 @@ minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the 
 minisparse relufy --stage 1 --steps 200  ReLUfy and fine-tune by distillation (chapter 04)
 minisparse predictors                    train sparsity predictors and save them (chapter 06)
 minisparse offload --budget 0.3          hot/cold neuron placement and modelled speed (chapter 08)
+minisparse export OUT [--format hf|gguf]  a transformers checkpoint or a llama.cpp GGUF file
 
 Every command checks its arguments before it loads a model. A mistake in them (or a model that
 cannot be loaded) prints one line, "error: ...", that says what to change, and exits with
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import offload_report
+from . import export, offload_report
 from .generate import check_messages, check_sampling, check_seed
 from .loading import ModelLoadError, resolve_device
 from .model import check_count
@@ -392,6 +393,12 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--model", default="smollm2-135m", help="as for the other commands")
     offload_report.add_arguments(p)
     p.set_defaults(func=offload_report.run)
+
+    p = sub.add_parser(
+        "export", help="write the model for transformers (hf) or llama.cpp (gguf)", parents=[common]
+    )
+    export.add_arguments(p)
+    p.set_defaults(func=export.run)
 
     bench = sub.add_parser("bench", help="benchmarks", parents=[common])
     bench = bench.add_subparsers(dest="bench", required=True)
