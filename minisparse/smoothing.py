@@ -46,18 +46,15 @@ import torch
 from torch import Tensor, nn
 
 from .model import RMSNorm, Transformer
-from .quant import (
-    LinearGroup,
-    QuantConfig,
+from .quant_calibration import LinearGroup, QuantConfig, block_groups, calibrate_layers
+from .quant_layers import set_weight
+from .quant_tensor import (
     QuantizedTensor,
     QuantSpec,
-    block_groups,
-    calibrate_layers,
     fake_quantize,
     fake_quantize_groups,
     grouped,
     quantize_tensor,
-    set_weight,
 )
 
 CLIP_RATIOS = tuple(1.0 - i / 20 for i in range(10))  # AWQ: shrink the range by up to 45 %

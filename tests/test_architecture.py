@@ -1,0 +1,233 @@
+"""Architecture: the modules of ``minisparse`` import each other in one direction only.
+
+Every ``import`` and ``from ... import`` statement of every module is read with ``ast``, at
+module level and inside functions alike (a deferred import is still a dependency, only a later
+one), and resolved to a module of the package: ``minisparse.x``, ``.x``, ``..x``, and
+``from . import x`` where ``x`` is a module. The modules and these edges form a graph that must
+have no cycle: a cycle means two ideas that cannot be read (or tested) one before the other.
+
+An import of ``a.b.c`` first runs the ``__init__`` of ``a`` and of ``a.b``: those packages are
+edges too, except the packages the importing module itself lies in (their ``__init__`` has
+started before the importing module runs).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "minisparse"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_name(path: Path, root: Path) -> str:
+    """Dotted name of a source file: ``minisparse/kernels/cpu.py`` -> ``minisparse.kernels.cpu``."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_modules(root: Path, package: str) -> dict[str, Path]:
+    """Every module of the package (``__init__`` files name their package), by dotted name."""
+    return {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+
+
+def absolute_base(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """The module a (possibly relative) ``from`` names.
+
+    ``from ..x import y`` names ``a.x`` in the module ``a.b.c`` and in the package ``a.b`` (its
+    ``__init__``, for which ``.`` is the package itself).
+    """
+    if level == 0:
+        return target or ""
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    base = here[: len(here) - (level - 1)]
+    return ".".join([*base, target] if target else base)
+
+
+def nearest_module(name: str, modules: set[str]) -> str | None:
+    """``name`` if it is a module, else its longest dotted prefix that is: ``a.b.f`` -> ``a.b``."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:n])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def imports_of(module: str, path: Path, modules: set[str]) -> set[str]:
+    """The package modules that ``module`` imports anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute_base(module, is_package, node.level, node.module)
+            # ``from pkg import sub`` imports the module pkg.sub; ``from mod import name`` mod.
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            target = nearest_module(name, modules)
+            if target is not None:
+                found |= {target, *initialised_first(target, module, modules)}
+    found.discard(module)
+    return found
+
+
+def initialised_first(target: str, importer: str, modules: set[str]) -> set[str]:
+    """The packages whose ``__init__`` an import of ``target`` by ``importer`` may run first:
+    those above ``target`` that do not hold ``importer`` too."""
+    parts = target.split(".")
+    above = {".".join(parts[:n]) for n in range(1, len(parts))}
+    return {p for p in above if p in modules and not importer.startswith(p + ".")}
+
+
+def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports."""
+    modules = package_modules(root, package)
+    return {m: imports_of(m, p, set(modules)) for m, p in modules.items()}
+
+
+def tangles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm): the
+    modules that all reach each other through imports. An acyclic graph has none."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """A shortest cycle through each module of each tangle, each written as a path that returns
+    to its first module (a tangle of three or more modules may hold several cycles)."""
+    cycles: list[list[str]] = []
+    for component in tangles(graph):
+        for start in sorted(component):
+            cycle = smallest_first(cycle_in(graph, component, start))
+            if not any(is_rotation(cycle, c) for c in cycles):
+                cycles.append(cycle)
+    return cycles
+
+
+def smallest_first(cycle: list[str]) -> list[str]:
+    """The same closed path, started at its alphabetically first module."""
+    path = cycle[:-1]
+    i = path.index(min(path))
+    return [*path[i:], *path[:i], path[i]]
+
+
+def is_rotation(a: list[str], b: list[str]) -> bool:
+    """Whether two closed paths are the same cycle started at different modules."""
+    a, b = a[:-1], b[:-1]
+    return len(a) == len(b) and any(a == b[i:] + b[:i] for i in range(len(b)))
+
+
+def cycle_in(graph: dict[str, set[str]], component: set[str], start: str) -> list[str]:
+    """A shortest cycle through ``start`` inside its strongly connected component (BFS)."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [*reversed(path), start]
+                if w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle in the component {sorted(component)}")
+
+
+def write_package(root: Path, sources: dict[str, str]) -> None:
+    for name, text in sources.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_import_resolution(tmp_path):
+    write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from .a import f\n",
+            "pkg/a.py": "def f():\n    from .sub import b\n    import pkg.sub.c\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/b.py": "from ..a import f\nfrom . import c\nfrom .. import sub\n",
+            "pkg/sub/c.py": "from pkg import a\nimport os\n",
+        },
+    )
+    graph = import_graph(tmp_path, "pkg")
+    assert graph == {
+        "pkg": {"pkg.a"},
+        "pkg.a": {"pkg.sub", "pkg.sub.b", "pkg.sub.c"},  # pkg.sub's __init__ runs first
+        "pkg.sub": set(),
+        "pkg.sub.b": {"pkg.a", "pkg.sub.c", "pkg.sub"},  # explicitly: from .. import sub
+        "pkg.sub.c": {"pkg.a"},
+    }
+    assert tangles(graph) == [{"pkg.a", "pkg.sub.b", "pkg.sub.c"}]
+    assert find_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"], ["pkg.a", "pkg.sub.c", "pkg.a"]]
+    assert find_cycles({"x": {"y"}, "y": {"z"}, "z": set()}) == []
+
+
+def test_cycle_through_a_package_init(tmp_path):
+    """m imports sub.t only, but sub's __init__ runs first and imports u, which imports m."""
+    write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/m.py": "def f():\n    from .sub.t import g\n",
+            "pkg/sub/__init__.py": "from .u import h\n",
+            "pkg/sub/t.py": "def g():\n    pass\n",
+            "pkg/sub/u.py": "from ..m import f\n",
+        },
+    )
+    assert find_cycles(import_graph(tmp_path, "pkg")) == [
+        ["pkg.m", "pkg.sub", "pkg.sub.u", "pkg.m"]
+    ]
+
+
+def test_graph_sees_the_package():
+    graph = import_graph()
+    assert "minisparse.kernels.cpu" in graph
+    assert "minisparse.model" in graph["minisparse.quant"]
+    assert "minisparse.kernels.cpu" in graph["minisparse.model"]  # an import inside a function
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = find_cycles(graph)
+    report = "\n".join(" -> ".join(c) for c in cycles)
+    assert not cycles, f"import cycles inside {PACKAGE}:\n{report}"
