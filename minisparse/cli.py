@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -118,66 +117,6 @@ def cmd_tour(args: argparse.Namespace) -> int:
 
     run_tour(out=check_output_path(figure_path(args.out), "--out"))
     return 0
-
-
-def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from .bench import bench_decode
-    from .loading import load, load_hf_reference
-    from .model import use_streaming_gemv
-
-    if not args.prompt.strip():
-        raise ValueError("--prompt is empty; give some text to decode after.")
-    check_count(args.max_new_tokens, "--max-new-tokens")
-    check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")
-    resolve_device(args.device)
-    model, tokenizer = load(args.model, device=args.device)
-    print("loading transformers' own model for the same checkpoint ...", flush=True)
-    hf_model, _ = load_hf_reference(args.model)
-    hf_model = hf_model.to(model.device).eval()
-    print(
-        f"prompt: {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, batch 1, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats} after warm-up"
-    )
-    variants = {  # name: (set the model up, compiled decode steps)
-        "minisparse (default: compiled step)": (lambda m: m, True),
-        "minisparse (torch modules, F.linear)": (lambda m: m, False),
-        "minisparse (torch modules, streaming)": (use_streaming_gemv, False),
-    }
-    same = True
-    for name, (setup, compiled) in variants.items():
-        r = bench_decode(
-            setup(model), tokenizer, hf_model, args.prompt, args.max_new_tokens, args.repeats,
-            compiled=compiled,
-        )  # fmt: skip
-        same = same and r.same_tokens
-        print(
-            f"{name:38s} {r.minisparse_tok_s:6.1f} tok/s | transformers "
-            f"{r.transformers_tok_s:6.1f} tok/s | ratio {r.speedup:.2f}x | "
-            f"same tokens: {r.same_tokens}",
-            flush=True,
-        )
-    print_llama_cpp_row(args)
-    return 0 if same else 1
-
-
-def print_llama_cpp_row(args: argparse.Namespace) -> None:
-    """llama.cpp on the model's own GGUF file, when llama-cpp-python is installed."""
-    from .bench import llama_cpp_decode
-    from .loading import embedded_gguf_path
-
-    gguf = Path(args.model) if args.model.endswith(".gguf") else None
-    if args.model == "smollm2-135m":
-        gguf = embedded_gguf_path()
-    if gguf is None:
-        print("llama.cpp: no GGUF file for this model; give --model FILE.gguf to compare")
-        return
-    rate = llama_cpp_decode(gguf, args.prompt, args.max_new_tokens, args.repeats)
-    if rate is None:
-        print("llama.cpp: not installed (optional: pip install llama-cpp-python)")
-    else:
-        print(
-            f"{'llama.cpp (' + gguf.name + ')':38s} {rate:6.1f} tok/s (its own weights' precision)"
-        )
 
 
 def cmd_relufy(args: argparse.Namespace) -> int:
@@ -290,12 +229,13 @@ def cmd_predictors(args: argparse.Namespace) -> int:
     return 0
 
 
-#: Chapter benchmarks: ``minisparse bench NAME`` calls ``minisparse.<module>.run(args)`` after
-#: ``minisparse.<module>.add_arguments(parser)`` declared its options.
+#: Benchmarks: ``minisparse bench NAME`` calls ``minisparse.bench.<module>.run(args)`` after
+#: ``minisparse.bench.<module>.add_arguments(parser)`` declared its options.
 CHAPTER_BENCHMARKS = {
-    "sparse-ffn": ("kernel_bench", "sparse FFN kernels vs dense and the ideal (chapter 07)"),
-    "quant": ("quant_bench", "fp32 vs bf16 / int8 / int4 weight-only decode speed (chapter 09)"),
-    "speculative": ("speculative_bench", "plain vs speculative decoding per draft (chapter 10)"),
+    "decode": ("decode", "greedy decode tokens/s: minisparse vs transformers"),
+    "sparse-ffn": ("kernels", "sparse FFN kernels vs dense and the ideal (chapter 07)"),
+    "quant": ("quant", "fp32 vs bf16 / int8 / int4 weight-only decode speed (chapter 09)"),
+    "speculative": ("speculative", "plain vs speculative decoding per draft (chapter 10)"),
 }
 
 
@@ -402,20 +342,9 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
 
     bench = sub.add_parser("bench", help="benchmarks", parents=[common])
     bench = bench.add_subparsers(dest="bench", required=True)
-    p = bench.add_parser(
-        "decode", help="greedy decode tokens/s: minisparse vs transformers", parents=[common]
-    )
-    add_model_arguments(p)
-    p.add_argument("--prompt", default="The Python language reference describes the syntax and")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.set_defaults(func=cmd_bench_decode)
-
-    if with_chapter_benchmarks:  # importing them loads triton: only when a benchmark is asked for
+    if with_chapter_benchmarks:  # only when asked for: they import most of the library
         for name, (module_name, help_text) in CHAPTER_BENCHMARKS.items():
-            if importlib.util.find_spec(f"minisparse.{module_name}") is None:
-                continue
-            module = importlib.import_module(f"minisparse.{module_name}")
+            module = importlib.import_module(f"minisparse.bench.{module_name}")
             p = bench.add_parser(name, help=help_text, parents=[common])
             module.add_arguments(p)
             p.set_defaults(func=module.run)

@@ -66,7 +66,7 @@ class Machine:
 
 def machine(measure_bandwidth: bool = True) -> Machine:
     """This machine; ``measure_bandwidth`` times a 256 MiB read (about a second)."""
-    from .bench import read_bandwidth
+    from .timing import read_bandwidth
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return Machine(

@@ -294,10 +294,10 @@ def measure_cpu(
     cache) runs the fused sparse FFN over rotating random active sets at each density; a least
     squares line time = c + bytes / BW through the medians gives BW and c.
     """
-    from .bench import interleaved_medians
-    from .kernel_bench import random_active_sets, random_ffn
     from .kernels import cpu
+    from .kernels.workloads import random_active_sets, random_ffn
     from .machine import cpu_name
+    from .timing import interleaved_medians
 
     w = random_ffn(dim, ffn, seed=seed)
     x = torch.randn(dim, generator=torch.Generator().manual_seed(seed))

@@ -58,10 +58,15 @@ def test_bench_decode_on_a_local_checkpoint(tmp_path, capsys, embedded):
             "2",
             "--device",
             "cpu",
+            "--json",
+            str(tmp_path / "decode.json"),
         ]
     )
     out = capsys.readouterr().out
     assert code == 0 and out.count("same tokens: True") == 3
+    assert out.startswith("machine: ")
+    report = json.loads((tmp_path / "decode.json").read_text())
+    assert report["machine"]["threads"] >= 1 and len(report["rows"]) == 3
 
 
 def test_relufy_command_fine_tunes_saves_and_reports(tmp_path, capsys, embedded):

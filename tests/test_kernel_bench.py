@@ -1,6 +1,7 @@
-"""The sparse-ffn benchmark runs end to end on small shapes and rejects bad arguments.
+"""The timing harness, and the sparse-ffn benchmark end to end on small shapes.
 
-Times are never asserted; only the table's structure and the bookkeeping (bytes, ratios).
+Times are never asserted; only the order of the calls, the table's structure and the
+bookkeeping (bytes, ratios, per-token division).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import json
 import pytest
 import torch
 
-from minisparse import kernel_bench as KB
+from minisparse import timing
+from minisparse.bench import kernels as KB
 
 
 def test_bench_shape_rows_and_ratios():
@@ -65,9 +67,11 @@ def test_cli_runs_and_writes_json(tmp_path, capsys):
     )
     assert status == 0
     text = capsys.readouterr().out
+    assert text.startswith("machine: ") and text.count("machine: ") == 1
     assert "copy bandwidth" in text and "48x80" in text and "/ideal" in text
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 6 and data["copy_bandwidth_gbs"] > 0
+    assert data["machine"]["cores"] >= 1 and data["machine"]["read_gbs"] > 0
 
 
 def test_cli_argument_errors():
@@ -93,3 +97,27 @@ def test_interleaved_medians_counts_calls():
     assert set(t) == {"a", "b"} and calls == {"a": 7, "b": 7}
     with pytest.raises(ValueError, match="repeats"):
         KB.interleaved_medians({"a": lambda: None}, 0)
+
+
+def test_harness_interleaves_variants_after_the_warm_up(monkeypatch):
+    calls = []
+    clock = iter(range(1000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    times = timing.interleaved_times(fns, repeats=3, warmup=2)
+    assert calls == ["a", "b", "c"] * 5  # rounds: every variant once, in order
+    assert times == {name: [1.0, 1.0, 1.0] for name in fns}  # warm-up rounds dropped
+    with pytest.raises(ValueError, match="warmup"):
+        timing.interleaved_times(fns, repeats=1, warmup=-1)
+
+
+def test_per_token_is_the_median_of_each_repeat_over_its_tokens(monkeypatch):
+    clock = iter([0.0, 10.0, 14.0, 20.0, 26.0, 30.0, 38.0])  # warm-up (one read), 4, 6, 8 s
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    counts = iter([9, 1, 3, 2])  # the warm-up makes 9 tokens; then 4 / 1, 6 / 3, 8 / 2
+    seconds = timing.interleaved_per_token({"run": lambda: next(counts)}, repeats=3, warmup=1)
+    assert seconds == {"run": 4.0}  # median of 4, 2, 4
+    tokens = iter([[1, 2], [1, 2, 3, 4]])
+    monkeypatch.setattr(timing.time, "perf_counter", iter([0.0, 2.0, 4.0]).__next__)
+    speed = timing.interleaved_decode({"m": lambda: next(tokens)}, 1, 1, progress=False)["m"]
+    assert speed.tok_s == 2.0 and speed.tokens == [1, 2, 3, 4]  # 4 tokens in 2 seconds

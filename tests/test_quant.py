@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
+from minisparse.bench.quant import VARIANTS, bench_quant
 from minisparse.cli import main
 from minisparse.generate import generate
 from minisparse.gptq import gptq_quantize, hessian, output_error
@@ -26,7 +27,6 @@ from minisparse.quant import (
     quantize_tensor,
     streamed_bytes,
 )
-from minisparse.quant_bench import VARIANTS, bench_quant
 from minisparse.smoothing import (
     awq_search,
     fold_scales,
@@ -487,7 +487,6 @@ def test_bench_quant_command(tmp_path, capsys, embedded):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "fp32" in text and "int8" in text and "lm_head (49152x576)" in text
-    assert [r["variant"] for r in __import__("json").loads(out.read_text())["rows"]] == [
-        "fp32",
-        "int8",
-    ]
+    data = __import__("json").loads(out.read_text())
+    assert [r["variant"] for r in data["rows"]] == ["fp32", "int8"]
+    assert text.startswith("machine: ") and data["machine"]["cores"] >= 1

@@ -445,7 +445,7 @@ def test_other_bad_inputs(target):
 
 
 def test_bench_rows_on_tiny_models(target):
-    from minisparse import speculative_bench as B
+    from minisparse.bench import speculative as B
 
     drafts = {"int8": S.int8_draft(target), "lookup": S.prompt_lookup_draft(2)}
     costs = B.step_costs(target, drafts, (1, 3), context=8, repeats=2, warmup=1)
@@ -465,7 +465,7 @@ def test_bench_rows_on_tiny_models(target):
 
 
 def test_bench_rejects_unknown_names(target):
-    from minisparse import speculative_bench as B
+    from minisparse.bench import speculative as B
 
     assert len(B.chat_prompts("all")) == len(B.PROMPTS["grounded"]) + len(B.PROMPTS["open"])
     with pytest.raises(ValueError, match="Unknown prompt set"):

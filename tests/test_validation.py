@@ -26,7 +26,7 @@ from minisparse import predictors as P
 from minisparse import quant as Q
 from minisparse import sparsity as S
 from minisparse import speculative as SP
-from minisparse import speculative_bench as SB
+from minisparse.bench import speculative as SB
 from minisparse.cli import main
 from minisparse.generate import encode_prompt, generate, next_token
 from minisparse.model import ModelConfig, make_cache

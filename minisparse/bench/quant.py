@@ -1,10 +1,10 @@
 """Benchmark: greedy decoding with float32, bfloat16, int8 and int4 weights, side by side.
 
-``minisparse bench quant`` builds the variants from one
-model, decodes the same prompt with each in turn within every repeat (warm-up first, median of
-repeats; ``minisparse.bench``'s rules), and prints per variant: tokens/s and the ratio to
-float32, the bytes a decode step streams and their ratio, the bandwidth roofline, and whether
-the greedy tokens equal float32's.
+``minisparse bench quant`` (or ``python -m minisparse.bench.quant``) builds the variants from
+one model, decodes the same prompt with each in turn within every repeat (warm-up first, median
+of repeats; ``minisparse.timing``'s rules), and prints per variant: tokens/s and the
+ratio to float32, the bytes a decode step streams and their ratio, the bandwidth roofline, and
+whether the greedy tokens equal float32's.
 
 Fewer bytes are an upper bound on the gain, not a prediction. To see where the rest goes it
 then calls every linear layer once, in decode order, with one token (``linear_times``): the
@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,9 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bench import bench_decode_models, interleaved_medians, read_bandwidth, roofline_seconds
-from .model import Transformer, check_count, use_output_major_weights
-from .quant import QuantSpec, quantize_model, streamed_bytes
+from ..machine import machine
+from ..model import Transformer, check_count, use_output_major_weights
+from ..quant import QuantSpec, quantize_model, streamed_bytes
+from ..timing import interleaved_medians, read_bandwidth, roofline_seconds
+from .decode import bench_decode_models
 
 VARIANTS = ("fp32", "bf16", "int8", "int4")
 PROMPT = "The Python language reference describes the syntax and"
@@ -250,9 +253,11 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .loading import load
+    from ..loading import load
 
     check_arguments(args)
+    about = machine()
+    print(about.line(), flush=True)
     model, tokenizer = load(args.model, device="cpu")
     print(
         f"prompt: {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, batch 1, "
@@ -276,9 +281,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k not in ("func", "json")}
-        payload = {"settings": settings, "threads": torch.get_num_threads()}
+        payload = {"machine": about.as_dict(), "settings": settings}
+        payload["threads"] = torch.get_num_threads()
         payload |= {"rows": [asdict(r) for r in rows]}
         payload |= {"linear_seconds_per_call": {n: t.per_call for n, t in linear.items()}}
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"\nwrote {args.json}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m minisparse.bench.quant", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Benchmark: sparse FFN kernels against dense, and against the ideal (1 - s).
 
-``minisparse bench sparse-ffn`` (or ``python -m minisparse.kernel_bench``) times, for each FFN
+``minisparse bench sparse-ffn`` (or ``python -m minisparse.bench.kernels``) times, for each FFN
 shape and sparsity s, three products side by side with the dense product they replace:
 
 * ``gate/up``: row-sparse GEMV over the active neurons (dense: ``F.linear(x, W_gate)``);
@@ -13,7 +13,7 @@ best take (1 - s) of the dense time, so we report ``time / dense`` and
 bandwidth) and the achieved GB/s against a measured copy bandwidth. On a CPU the kernels are
 the C fast path (``minisparse.kernels.cpu``); on CUDA the Triton kernels.
 
-Measurement rules (``minisparse.bench``): variants are interleaved within every repeat so
+Measurement rules (``minisparse.timing``): variants are interleaved within every repeat so
 machine drift hits all of them alike, warm-up first, median of repeats. The active neurons are
 drawn at random and rotated between calls (several sets per sparsity), so a sparse kernel
 cannot keep "its" rows in the last-level cache while dense streams everything; a real decoder
@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -38,7 +36,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .bench import copy_bandwidth, interleaved_medians
+from ..kernels.workloads import FFNWeights, check_sparsity, random_active_sets, random_ffn
+from ..machine import machine
+from ..model import check_count
+from ..timing import copy_bandwidth, interleaved_medians
 
 SHAPES = ((4096, 11008), (576, 1536))
 SPARSITIES = (0.0, 0.5, 0.7, 0.9, 0.95)
@@ -61,65 +62,12 @@ class BenchRow:
     copy_fraction: float
 
 
-def check_sparsity(s: float) -> float:
-    """Sparsity is the fraction of neurons skipped: a number in [0, 1)."""
-    if not 0.0 <= s < 1.0:
-        raise ValueError(
-            f"sparsity must be in [0, 1) (the fraction of neurons skipped), got {s}; "
-            "use 0 for dense and e.g. 0.9 to skip 90 %."
-        )
-    return float(s)
-
-
-def random_active_sets(
-    n: int, sparsity: float, count: int, seed: int = 0, device: str | torch.device = "cpu"
-) -> list[Tensor]:
-    """``count`` sorted random index sets, each keeping round((1 - s) n) of n neurons."""
-    check_sparsity(sparsity)
-    keep = round((1.0 - sparsity) * n)
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randperm(n, generator=gen)[:keep].sort().values.to(device) for _ in range(count)]
-
-
-@dataclass
-class FFNWeights:
-    """A random gated FFN in the layouts the sparse kernels read."""
-
-    W_gate: Tensor  # [ffn, dim]
-    W_up: Tensor  # [ffn, dim]
-    W_down: Tensor  # [dim, ffn]  (nn.Linear layout, for the dense baseline)
-    W_down_t: Tensor  # [ffn, dim] (transposed: neuron j's down weights contiguous)
-
-
-def random_ffn(
-    dim: int,
-    ffn: int,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-) -> FFNWeights:
-    """Seeded random FFN weights; on the CPU placed in huge pages (``hugepage_copy``)."""
-    from .kernels.cpu import hugepage_copy
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def make(*shape: int) -> Tensor:
-        w = torch.randn(*shape, generator=gen).mul_(dim**-0.5).to(dtype)
-        return hugepage_copy(w) if torch.device(device).type == "cpu" else w.to(device)
-
-    W_gate, W_up, W_down = make(ffn, dim), make(ffn, dim), make(dim, ffn)
-    W_down_t = W_down.T.contiguous()
-    if torch.device(device).type == "cpu":
-        W_down_t = hugepage_copy(W_down_t)
-    return FFNWeights(W_gate, W_up, W_down, W_down_t)
-
-
 def kernel_backend(device: torch.device) -> dict[str, Callable]:
     """The sparse kernels for a device: Triton on CUDA, the C fast path on the CPU."""
     if device.type == "cuda":
-        from . import kernels as backend
+        from .. import kernels as backend
     else:
-        from .kernels import cpu as backend
+        from ..kernels import cpu as backend
     return {
         "gather_gemv": backend.gather_gemv,
         "sparse_input_gemv": backend.sparse_input_gemv,
@@ -237,17 +185,7 @@ def bench_sparse_ffn(
     ) as bar:
         for dim, ffn in shapes:
             rows += bench_shape(
-                dim,
-                ffn,
-                sparsities,
-                kernels,
-                repeats,
-                warmup,
-                device,
-                dtype,
-                seed,
-                bandwidth,
-                bar,
+                dim, ffn, sparsities, kernels, repeats, warmup, device, dtype, seed, bandwidth, bar
             )
     return rows, bandwidth
 
@@ -266,7 +204,7 @@ def gather_progression(
     + huge pages. Dense is ``F.linear`` on the ordinary (4 KiB page) weights. Needs the C fast
     path.
     """
-    from .kernels import cpu
+    from ..kernels import cpu
 
     if not cpu.fast_path_available():
         raise RuntimeError("The CPU fast path is not compiled; install gcc or clang (or set CC).")
@@ -300,66 +238,6 @@ def union_density(masks: Tensor, batch: int) -> float:
         raise ValueError(f"Need at least {batch} tokens of masks, got {masks.shape[0]}.")
     groups = masks[:n].reshape(-1, batch, masks.shape[1])
     return groups.any(1).float().mean().item()
-
-
-@dataclass
-class DecodeSpeed:
-    """Greedy decode speed of one model with dense and with sparse MLPs, side by side."""
-
-    new_tokens: int
-    dense_tok_s: float
-    sparse_tok_s: float
-    mean_density: float  # fraction of neurons the sparse MLPs read per decode step
-    same_tokens: bool
-
-    @property
-    def speedup(self) -> float:
-        return self.sparse_tok_s / self.dense_tok_s
-
-
-def bench_decode_sparse(
-    model: torch.nn.Module,
-    tokenizer: object,
-    prompt: str,
-    sparse: list[torch.nn.Module],
-    max_new_tokens: int = 32,
-    repeats: int = 3,
-    warmup: int = 1,
-) -> DecodeSpeed:
-    """Tokens/s of greedy decoding with the model's dense MLPs and with ``sparse`` MLPs.
-
-    The two runs alternate within each repeat (median of repeats, after warm-up). Each run
-    times the whole ``generate`` call, prompt included, per new token; the sparse run uses the
-    sparse MLPs for the prompt too. ``mean_density`` is the fraction of neurons read at the last
-    decode step of a run (mean over layers), averaged over the runs.
-    """
-    from .generate import generate
-    from .sparse_mlp import mean_density, swap_mlps
-
-    dense = [layer.mlp for layer in model.layers]
-    per_token: dict[str, list[float]] = {"dense": [], "sparse": []}
-    tokens: dict[str, list[int]] = {}
-    densities = []
-    for i in range(warmup + repeats):
-        for name, mlps in (("dense", dense), ("sparse", sparse)):
-            swap_mlps(model, mlps)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
-            elapsed = time.perf_counter() - t0
-            if name == "sparse":
-                densities.append(mean_density(sparse))
-            tokens[name] = out
-            if i >= warmup:
-                per_token[name].append(elapsed / len(out))
-    swap_mlps(model, dense)
-    return DecodeSpeed(
-        new_tokens=len(tokens["dense"]),
-        dense_tok_s=1.0 / statistics.median(per_token["dense"]),
-        sparse_tok_s=1.0 / statistics.median(per_token["sparse"]),
-        mean_density=statistics.mean(densities),
-        same_tokens=tokens["dense"] == tokens["sparse"],
-    )
 
 
 def format_table(rows: list[BenchRow], bandwidth_gbs: float) -> str:
@@ -439,6 +317,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark with parsed arguments; print the table; return the exit status."""
+    check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")
+    check_count(args.warmup, "--warmup", minimum=0)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             "--device cuda was asked for but no CUDA device is visible; drop --device to "
@@ -446,30 +326,26 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    about = machine()
+    print(about.line(), flush=True)
     rows, bandwidth = bench_sparse_ffn(
-        tuple(args.shapes),
-        tuple(args.sparsity),
-        tuple(args.kernels),
-        args.repeats,
-        args.warmup,
-        args.device,
-        getattr(torch, args.dtype),
-        args.seed,
-    )
+        tuple(args.shapes), tuple(args.sparsity), tuple(args.kernels), args.repeats, args.warmup,
+        args.device, getattr(torch, args.dtype), args.seed,
+    )  # fmt: skip
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device: {device}, threads: {torch.get_num_threads()}, dtype: {args.dtype}")
     print(format_table(rows, bandwidth))
     if args.json:
+        payload = {"machine": about.as_dict(), "copy_bandwidth_gbs": bandwidth}
+        payload["rows"] = [asdict(r) for r in rows]
         with open(args.json, "w") as f:
-            json.dump(
-                {"copy_bandwidth_gbs": bandwidth, "rows": [asdict(r) for r in rows]}, f, indent=1
-            )
+            json.dump(payload, f, indent=1)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m minisparse.kernel_bench", description=__doc__.split("\n")[0]
+        prog="python -m minisparse.bench.kernels", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

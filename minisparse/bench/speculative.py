@@ -1,10 +1,10 @@
 """Benchmark: plain greedy decoding against speculative decoding with each draft.
 
-``minisparse bench speculative`` (or ``python -m minisparse.speculative_bench``) decodes a
+``minisparse bench speculative`` (or ``python -m minisparse.bench.speculative``) decodes a
 fixed set of chat prompts with the target alone and with every draft, interleaved within each
-repeat (warm-up first, median of repeats; ``minisparse.bench``'s rules), checks that the tokens
-are identical, and prints per draft: the speedup, the acceptance α, tokens per target pass, and
-the speedup the theory predicts from the measured α and costs.
+repeat (warm-up first, median of repeats; ``minisparse.timing``'s rules), checks that
+the tokens are identical, and prints per draft: the speedup, the acceptance α, tokens per
+target pass, and the speedup the theory predicts from the measured α and costs.
 
 The costs come from ``step_costs``: one draft step (c) and one target pass over γ + 1 tokens
 (v) in units of one single-token target step, timed side by side on a filled cache. On a GPU
@@ -19,23 +19,23 @@ where prompt lookup shines; "open" ones ask for new text.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from .bench import interleaved_medians
-from .decode import MAX_TOKENS, Decoder
-from .generate import encode_prompt, generate
-from .model import Transformer, check_count, make_cache
-from .sparsity import check_sparsity
-from .speculative import (
+from ..decode import MAX_TOKENS, Decoder
+from ..generate import encode_prompt, generate
+from ..machine import machine
+from ..model import Transformer, check_count, make_cache
+from ..sparsity import check_sparsity
+from ..speculative import (
     Draft,
     ModelDraft,
     early_exit_draft,
@@ -45,6 +45,7 @@ from .speculative import (
     sparse_draft,
     speculative_generate,
 )
+from ..timing import interleaved_medians, interleaved_times
 
 PROMPTS: dict[str, list[str]] = {
     "grounded": [
@@ -110,7 +111,7 @@ def make_drafts(
         elif name == "int8":
             drafts[name] = int8_draft(model)
         elif name == "sparse":
-            from .data import corpus, token_batches
+            from ..data import corpus, token_batches
 
             calibration = token_batches(tokenizer, corpus(split="train"), 128, 2)
             drafts[name] = sparse_draft(model, calibration, sparsity)
@@ -205,9 +206,10 @@ def bench_speculative(
 ) -> list[SpecRow]:
     """Plain vs speculative greedy decoding, interleaved per prompt within every repeat.
 
-    A repeat decodes every prompt with the target alone, then with each draft; a variant's time
-    is the median over repeats of its summed time over the prompts. ``costs``
-    (``step_costs``) supply c and v for the prediction; they are measured when not given.
+    A repeat takes every prompt in turn and decodes it with the target alone, then with each
+    draft (one round of ``interleaved_times`` per prompt); a variant's time is the median over
+    repeats of its summed time over the prompts; tokens and statistics are the last repeat's.
+    ``costs`` (``step_costs``) supply c and v for the prediction; measured when not given.
     """
     check_bench_counts(gamma, max_new_tokens, repeats, warmup)
     if not prompts:
@@ -215,27 +217,36 @@ def bench_speculative(
     if costs is None:
         costs = step_costs(target, drafts, (gamma,))
     ids = [encode_prompt(tokenizer, p) for p in prompts]
-    names = ["plain", *drafts]
-    times: dict[str, list[float]] = {n: [] for n in names}
-    outputs: dict[str, list[list[int]]] = {}
-    stats: dict[str, list[Any]] = {}
-    for r in tqdm(range(warmup + repeats), desc="speculative bench", disable=not progress):
-        total = dict.fromkeys(names, 0.0)
-        for n in names:
-            outputs[n], stats[n] = [], []
-        for x in ids:
-            t0 = time.perf_counter()
-            outputs["plain"].append(generate(target, tokenizer, x, max_new_tokens=max_new_tokens))
-            total["plain"] += time.perf_counter() - t0
-            for name, draft in drafts.items():
-                t0 = time.perf_counter()
-                out, st = speculative_generate(target, tokenizer, x, draft, gamma, max_new_tokens)
-                total[name] += time.perf_counter() - t0
-                outputs[name].append(out)
-                stats[name].append(st)
-        if r >= warmup:
-            for n in names:
-                times[n].append(total[n])
+    n = len(ids)
+    outputs: dict[str, list[Any]] = {name: [None] * n for name in ["plain", *drafts]}
+    stats: dict[str, list[Any]] = {name: [None] * n for name in drafts}
+
+    def decode_next_prompt(name: str) -> Callable[[], None]:
+        """Each call decodes the next prompt, in turn, plainly or with the draft ``name``."""
+        order = itertools.cycle(range(n))
+
+        def call() -> None:
+            i = next(order)
+            if name == "plain":
+                outputs[name][i] = generate(
+                    target, tokenizer, ids[i], max_new_tokens=max_new_tokens
+                )
+            else:
+                outputs[name][i], stats[name][i] = speculative_generate(
+                    target, tokenizer, ids[i], drafts[name], gamma, max_new_tokens
+                )
+
+        return call
+
+    # A round decodes one prompt with every variant; a repeat is n rounds, every prompt once.
+    fns = {name: decode_next_prompt(name) for name in outputs}
+    per_call = interleaved_times(
+        fns, repeats * n, warmup * n, target.device, progress, desc="speculative bench"
+    )
+    times = {
+        name: [sum(ts[r * n : (r + 1) * n]) for r in range(repeats)]
+        for name, ts in per_call.items()
+    }
     plain = statistics.median(times["plain"])
     rows = []
     for name in drafts:
@@ -309,10 +320,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .loading import load, resolve_device
+    from ..loading import load, resolve_device
 
     check_arguments(args)
     resolve_device(args.device)
+    about = machine()
+    print(about.line(), flush=True)
     model, tokenizer = load(args.model, device=args.device)
     drafts = make_drafts(model, tokenizer, tuple(args.drafts), args.sparsity, args.exit_layers)
     kinds = list(PROMPTS) if args.prompts == "all" else [args.prompts]
@@ -339,14 +352,15 @@ def run(args: argparse.Namespace) -> int:
         results[kind] = [asdict(r) for r in rows]
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"costs": costs, "rows": results}, indent=1))
+        payload = {"machine": about.as_dict(), "costs": costs, "rows": results}
+        args.json.write_text(json.dumps(payload, indent=1))
         print(f"\nwrote {args.json}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m minisparse.speculative_bench", description=__doc__.split("\n")[0]
+        prog="python -m minisparse.bench.speculative", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,0 +1,191 @@
+"""The timing harness every benchmark uses: warm-up, interleaved variants, medians, bandwidth.
+
+The benchmarks (``minisparse.bench``) and the library's own measurements
+(``minisparse.machine``, ``minisparse.offload_time``) all time through this module.
+
+Rules every benchmark in the course follows:
+
+* compare variants side by side in one run (the machine's state drifts between runs): a run is
+  ``warmup + repeats`` *rounds*, and every round calls each variant once, in turn, so that
+  machine noise hits them alike;
+* warm up first (allocators, caches, lazy initialisation, ``torch.compile``): the first
+  ``warmup`` rounds are not kept; then report the **median** of the repeats, which ignores the
+  occasional descheduled run;
+* a decode speed is the median of (seconds / new tokens) over the repeats, inverted to tokens/s;
+* report ratios (to dense, to the ideal) rather than raw times, since ratios carry to other
+  machines;
+* on CUDA, synchronise before reading the clock: kernel launches are asynchronous.
+
+``interleaved_times`` is the one loop that does this; ``interleaved_medians``, ``median_time``,
+``interleaved_per_token`` and ``interleaved_decode`` are views of its result.
+
+The roofline at batch 1: a decode step reads every weight once, so its time is at least
+``bytes_moved / bandwidth``. A kernel that skips a fraction s of the weights can at best take
+``(1 - s)`` of the dense time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued CUDA work (a no-op on CPU)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 20,
+    warmup: int = 3,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    desc: str = "timing",
+) -> dict[str, list[float]]:
+    """Seconds of every timed call of each function: ``repeats`` values per name.
+
+    ``warmup + repeats`` rounds; each round calls every function once, in the order of
+    ``fns``, and the first ``warmup`` rounds are dropped.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
+    if warmup < 0:
+        raise ValueError(f"warmup must be at least 0, got {warmup}.")
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    synchronize(device)
+    for r in tqdm(range(warmup + repeats), desc=desc, disable=not progress, leave=False):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 20,
+    warmup: int = 3,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Median seconds of each function, timing them in turn within every repeat."""
+    times = interleaved_times(fns, repeats, warmup, device, progress)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def median_time(
+    fn: Callable[[], object],
+    repeats: int = 20,
+    warmup: int = 3,
+    device: torch.device | str | None = None,
+) -> float:
+    """Median wall time of ``fn()`` in seconds, over ``repeats`` runs after ``warmup`` runs."""
+    return interleaved_medians({"fn": fn}, repeats, warmup, device)["fn"]
+
+
+def interleaved_per_token(
+    runs: dict[str, Callable[[], int]],
+    repeats: int = 5,
+    warmup: int = 1,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
+    """Median seconds per token of each run; a run returns how many tokens it produced.
+
+    Each repeat's time is divided by that repeat's token count (at least 1), then the median is
+    taken: seconds per token = median_r(t_r / n_r).
+    """
+    counts: dict[str, list[int]] = {name: [] for name in runs}
+
+    def counted(name: str, run: Callable[[], int]) -> Callable[[], None]:
+        def call() -> None:
+            counts[name].append(max(1, run()))
+
+        return call
+
+    fns = {name: counted(name, run) for name, run in runs.items()}
+    times = interleaved_times(fns, repeats, warmup, device, progress)
+    return {
+        name: statistics.median(
+            t / n for t, n in zip(times[name], counts[name][warmup:], strict=True)
+        )
+        for name in runs
+    }
+
+
+@dataclass
+class ModelSpeed:
+    """Greedy decode speed of one variant, and the tokens it produced."""
+
+    tok_s: float
+    tokens: list[int]
+
+
+def interleaved_decode(
+    runs: dict[str, Callable[[], list[int]]],
+    repeats: int = 5,
+    warmup: int = 1,
+    progress: bool = True,
+    device: torch.device | str | None = None,
+) -> dict[str, ModelSpeed]:
+    """Tokens/s of decode functions (each returns its new tokens), timed in turn per repeat.
+
+    ``interleaved_per_token`` times every function once per repeat, so that machine noise hits
+    them alike; a function's speed is one over its median seconds per token, and its tokens are
+    those of its last call.
+    """
+    tokens: dict[str, list[int]] = {}
+
+    def kept(name: str, run: Callable[[], list[int]]) -> Callable[[], int]:
+        def call() -> int:
+            tokens[name] = run()
+            return len(tokens[name])
+
+        return call
+
+    fns = {name: kept(name, run) for name, run in runs.items()}
+    per_token = interleaved_per_token(fns, repeats, warmup, device, progress)
+    return {name: ModelSpeed(1.0 / per_token[name], tokens[name]) for name in runs}
+
+
+def copy_bandwidth(
+    nbytes: int = 256 * 2**20,
+    repeats: int = 10,
+    device: torch.device | str | None = None,
+) -> float:
+    """Measured memory bandwidth in GB/s (1e9 bytes/s) of a large tensor copy.
+
+    A copy reads ``nbytes`` and writes ``nbytes``, so it moves ``2 * nbytes`` per run.
+    """
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_time(lambda: dst.copy_(src), repeats=repeats, warmup=2, device=device)
+    return 2 * nbytes / seconds / 1e9
+
+
+def read_bandwidth(
+    nbytes: int = 256 * 2**20,
+    repeats: int = 10,
+    device: torch.device | str | None = None,
+) -> float:
+    """Measured read bandwidth in GB/s: a sum over a large tensor reads ``nbytes`` per run.
+
+    This is the right reference for decoding, which streams weights and writes almost nothing.
+    """
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    seconds = median_time(lambda: src.sum(), repeats=repeats, warmup=2, device=device)
+    return nbytes / seconds / 1e9
+
+
+def roofline_seconds(nbytes: int, bandwidth_gbs: float) -> float:
+    """Lower bound on the time to stream ``nbytes`` at ``bandwidth_gbs`` GB/s."""
+    return nbytes / (bandwidth_gbs * 1e9)
