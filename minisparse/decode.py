@@ -31,295 +31,29 @@ Without a C compiler (``minisparse.kernels.cpu.fast_path_available()``) every ha
 from __future__ import annotations
 
 import ctypes
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .kernels.cpu import load_source_library
-from .model import MLP, Attention, Block, KVCache, Linear, RMSNorm, Transformer
-from .quant import Int8Linear
+from .decode_layers import (
+    MAX_TOKENS,
+    AttnLayer,
+    MlpLayer,
+    SparseMlpLayer,
+    attn_layer,
+    decode_library,
+    global_hooks,
+    hooked,
+    linear_ok,
+    mat,
+    mlp_layer,
+    plain_f32,
+)
+from .model import Block, RMSNorm, Transformer
 from .rope import rope_cos_sin
-from .sparse_mlp import SparseMLP
-from .sparsity import MagnitudeThreshold
-
-ACT_CODES = {"silu": 0, "relu": 1, "gelu": 2}
-MAX_TOKENS = 8  # as in decode_step.c: the most tokens one forward call takes
-
-
-class Slot(ctypes.Structure):
-    _fields_ = [("relu", ctypes.c_int32), ("threshold", ctypes.c_float)]
-
-
-_f = ctypes.POINTER(ctypes.c_float)
-_i64, _flt, _i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int32
-
-
-class Mat(ctypes.Structure):
-    """A weight matrix for C: float32 data (scale NULL), or int8 codes and float32 row scales."""
-
-    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
-
-
-class AttnLayer(ctypes.Structure):
-    _fields_ = [
-        *[(n, _i64) for n in ("dim", "n_heads", "n_kv_heads", "head_dim", "max_seq")],
-        ("eps", _flt),
-        ("rope_scale", _flt),
-        *[(n, ctypes.c_void_p) for n in ("norm", "inv_freq")],
-        *[(n, Mat) for n in ("wq", "wk", "wv", "wo")],
-        *[(n, ctypes.c_void_p) for n in ("bq", "bk", "bv", "bo", "k_cache", "v_cache")],
-        ("input", Slot),
-    ]
-
-
-class MlpLayer(ctypes.Structure):
-    _fields_ = [
-        ("dim", _i64),
-        ("ffn", _i64),
-        ("eps", _flt),
-        ("norm", ctypes.c_void_p),
-        *[(n, Mat) for n in ("wg", "wu", "wd")],
-        *[(n, ctypes.c_void_p) for n in ("bg", "bu", "bd")],
-        ("act", _i32),
-        ("act_threshold", _flt),
-        ("input", Slot),
-        ("down_in", Slot),
-    ]
-
-
-class SparseMlpLayer(ctypes.Structure):
-    _fields_ = [
-        ("dim", _i64),
-        ("ffn", _i64),
-        ("rank", _i64),
-        ("eps", _flt),
-        *[(n, ctypes.c_void_p) for n in ("norm", "wg", "wu", "wd_t")],
-        ("act", _i32),
-        ("input", Slot),
-        ("threshold", _flt),
-        *[(n, ctypes.c_void_p) for n in ("pu", "pu_bias", "pv", "pv_bias")],
-        ("predictor_relu", _i32),
-        ("cutoff", _flt),
-    ]
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.attn_scratch.argtypes, lib.attn_scratch.restype = [i64] * 5, i64
-    lib.mlp_scratch.argtypes, lib.mlp_scratch.restype = [i64, i64], i64
-    lib.sparse_mlp_scratch.argtypes = [i64, i64, i64, c_int]
-    lib.sparse_mlp_scratch.restype = i64
-    lib.attn_step.argtypes, lib.attn_step.restype = [p, p, i64, i64, p, c_int], c_int
-    lib.mlp_step.argtypes, lib.mlp_step.restype = [p, p, i64, p, c_int], c_int
-    lib.sparse_mlp_step.argtypes, lib.sparse_mlp_step.restype = [p, p, p, c_int], i64
-    lib.lm_head_step.argtypes = [p, i64, p, ctypes.c_float, ctypes.POINTER(Mat), i64, i64, p, p]
-    lib.lm_head_step.argtypes.append(c_int)
-    lib.lm_head_step.restype = c_int
-
-
-@functools.lru_cache(maxsize=1)
-def decode_library() -> ctypes.CDLL | None:
-    """The compiled decode step, or None without a C compiler (one warning, from ``cpu``)."""
-    return load_source_library("decode_step.c", _declare)
-
-
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _hooked(*modules: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as torch_module
-
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
-
-
-def slot_of(module: nn.Module) -> Slot | None:
-    """An activation slot as the C step applies it (Identity, ReLU, a magnitude threshold on
-    either), or None for anything else."""
-    if _hooked(module):
-        return None
-    if isinstance(module, MagnitudeThreshold):
-        inner = slot_of(module.inner)
-        if inner is None or inner.threshold >= 0:
-            return None
-        return Slot(inner.relu, module.threshold)
-    if type(module) is nn.Identity:
-        return Slot(0, -1.0)
-    if type(module) is nn.ReLU:
-        return Slot(1, -1.0)
-    return None
-
-
-def activation_of(module: nn.Module) -> tuple[int, float] | None:
-    """(ACT code, threshold or -1) for an MLP's ``act``: SiLU/ReLU/exact GELU, optionally inside a
-    ``MagnitudeThreshold`` (CATS on the gate); None for anything else."""
-    if _hooked(module):
-        return None
-    threshold = -1.0
-    if isinstance(module, MagnitudeThreshold):
-        module, threshold = module.inner, module.threshold
-        if _hooked(module):
-            return None
-    if type(module) is nn.SiLU:
-        return ACT_CODES["silu"], threshold
-    if type(module) is nn.ReLU:
-        return ACT_CODES["relu"], threshold
-    if type(module) is nn.GELU and module.approximate == "none":
-        return ACT_CODES["gelu"], threshold
-    return None
-
-
-def _plain_f32(*tensors: Tensor | None) -> bool:
-    """All given tensors are contiguous float32 CPU tensors (None counts as fine)."""
-    return all(
-        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
-        for t in tensors
-    )
-
-
-def _linear_ok(lin: nn.Module) -> bool:
-    """A projection the C step reads: a float32 ``nn.Linear``, or a weight-only ``Int8Linear``."""
-    if _hooked(lin):
-        return False
-    if type(lin) in (Linear, nn.Linear):
-        return _plain_f32(lin.weight, lin.bias)
-    return (
-        type(lin) is Int8Linear
-        and lin.q.device.type == "cpu"
-        and lin.q.dtype == torch.int8
-        and lin.q.is_contiguous()
-        and _plain_f32(lin.bias)
-    )
-
-
-def mat(lin: nn.Module, keep: list[Tensor]) -> Mat:
-    """The C view of a projection accepted by ``_linear_ok``; ``keep`` holds what it points to."""
-    if type(lin) is not Int8Linear:
-        return Mat(lin.weight.data_ptr(), None)
-    scale = lin.scale.float().contiguous()  # the layer keeps bfloat16 scales for torch's kernel
-    keep.append(scale)
-    return Mat(lin.q.data_ptr(), scale.data_ptr())
-
-
-def attn_layer(
-    layer: Block, cache: object, model: Transformer, keep: list[Tensor]
-) -> AttnLayer | None:
-    """The C description of a block's attention half, or None when torch must run it."""
-    attn, c = layer.attn, model.config
-    slot = slot_of(layer.attn_in_act)
-    if (
-        type(attn) is not Attention
-        or type(layer.attn_norm) is not RMSNorm
-        or _hooked(attn, layer.attn_norm)
-        or slot is None
-        or not all(_linear_ok(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
-        or type(cache) is not KVCache
-        or cache.k.shape[0] != 1
-        or not _plain_f32(cache.k, cache.v, layer.attn_norm.weight, model.inv_freq)
-    ):
-        return None
-    return AttnLayer(
-        c.dim,
-        c.n_heads,
-        c.n_kv_heads,
-        c.head_dim,
-        cache.max_seq_len,
-        layer.attn_norm.eps,
-        model.rope_scale,
-        _ptr(layer.attn_norm.weight),
-        _ptr(model.inv_freq),
-        *[mat(p, keep) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
-        *[_ptr(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
-        _ptr(cache.k),
-        _ptr(cache.v),
-        slot,
-    )
-
-
-def mlp_layer(layer: Block, keep: list[Tensor]) -> MlpLayer | SparseMlpLayer | None:
-    """The C description of a block's MLP half (dense or sparse), or None for torch."""
-    mlp, norm = layer.mlp, layer.mlp_norm
-    slot = slot_of(layer.mlp_in_act)
-    if (
-        type(norm) is not RMSNorm
-        or _hooked(norm, mlp)
-        or slot is None
-        or not _plain_f32(norm.weight)
-    ):
-        return None
-    if type(mlp) is SparseMLP:
-        return sparse_mlp_layer(mlp, norm, slot)
-    if type(mlp) is not MLP:
-        return None
-    act, down_in = activation_of(mlp.act), slot_of(mlp.down_in_act)
-    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if act is None or down_in is None or not all(_linear_ok(p) for p in projections):
-        return None
-    return MlpLayer(
-        mlp.down_proj.out_features,
-        mlp.gate_proj.out_features,
-        norm.eps,
-        _ptr(norm.weight),
-        *[mat(p, keep) for p in projections],
-        *[_ptr(p.bias) for p in projections],
-        act[0],
-        act[1],
-        slot,
-        down_in,
-    )
-
-
-def predictor_of(mlp: SparseMLP) -> nn.Module | None:
-    """The ``Predictor`` behind a SparseMLP's ``select`` when it is ``Predictors.select`` of
-    one layer (what ``sparsify(model, select=predictors.select)`` makes), else None."""
-    from .predictors import Predictor, Predictors
-
-    select = mlp.select
-    if not isinstance(select, functools.partial) or len(select.args) != 1 or select.keywords:
-        return None
-    owner = getattr(select.func, "__self__", None)
-    if not isinstance(owner, Predictors) or select.func.__func__ is not Predictors.select:
-        return None
-    if owner.lookahead:
-        return None
-    predictor = owner.neurons[select.args[0]]
-    if type(predictor) is not Predictor or _hooked(predictor, predictor.down, predictor.up):
-        return None
-    return predictor
-
-
-def sparse_mlp_layer(mlp: SparseMLP, norm: RMSNorm, slot: Slot) -> SparseMlpLayer | None:
-    act = activation_of(mlp.act)
-    if act is None or act[1] >= 0 or not _plain_f32(mlp.W_gate, mlp.W_up, mlp.W_down_t):
-        return None
-    dim, ffn = mlp.W_down_t.shape[1], mlp.W_down_t.shape[0]
-    common = (dim, ffn)
-    if mlp.threshold is not None:
-        return SparseMlpLayer(
-            *common, 0, norm.eps, _ptr(norm.weight),
-            _ptr(mlp.W_gate), _ptr(mlp.W_up), _ptr(mlp.W_down_t),
-            act[0], slot, mlp.threshold, None, None, None, None, 0, 0.0,
-        )  # fmt: skip
-    predictor = predictor_of(mlp)
-    if predictor is None:
-        return None
-    down, up = predictor.down, predictor.up
-    if not _plain_f32(down.weight, down.bias, up.weight, up.bias) or up.bias is None:
-        return None
-    return SparseMlpLayer(
-        *common, predictor.rank, norm.eps, _ptr(norm.weight),
-        _ptr(mlp.W_gate), _ptr(mlp.W_up), _ptr(mlp.W_down_t),
-        act[0], slot, 0.0, _ptr(down.weight), _ptr(down.bias), _ptr(up.weight), _ptr(up.bias),
-        int(predictor.kind == "mlp"), float(predictor.cutoff),
-    )  # fmt: skip
 
 
 @dataclass
@@ -354,12 +88,12 @@ class Decoder:
         c = model.config
         lib = decode_library()
         self.lib = lib
-        usable = lib is not None and not _global_hooks() and not _hooked(model)
+        usable = lib is not None and not global_hooks() and not hooked(model)
         self.halves: list[Half] = []
         self.whole_layer: list[bool] = []  # layers that run as one torch Block call
         self._keep: list[Tensor] = []  # float32 copies of int8 scales the C views point to
         for i, layer in enumerate(model.layers):
-            plain = usable and type(layer) is Block and not _hooked(layer)
+            plain = usable and type(layer) is Block and not hooked(layer)
             self.whole_layer.append(not plain)
             attn = attn_layer(layer, cache[i], model, self._keep) if plain else None
             self.halves += [
@@ -369,11 +103,11 @@ class Decoder:
         head, norm = model.lm_head, model.norm
         self.c_head = (
             usable
-            and _linear_ok(head)
+            and linear_ok(head)
             and head.bias is None
             and type(norm) is RMSNorm
-            and not _hooked(norm)
-            and _plain_f32(norm.weight)
+            and not hooked(norm)
+            and plain_f32(norm.weight)
         )
         self._head_mat = mat(head, self._keep) if self.c_head else None
         self.threads = max(1, torch.get_num_threads())
