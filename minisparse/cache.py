@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+__all__ = ["cache_dir", "save_tensors_atomic", "write_dir_atomic"]
+
 
 def cache_dir() -> Path:
     """Root of minisparse's cache: $MINISPARSE_CACHE, else $XDG_CACHE_HOME/minisparse."""

@@ -22,6 +22,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+__all__ = [
+    "SPLITS",
+    "SPLIT_BOUNDS",
+    "corpus",
+    "dedupe_paragraphs",
+    "encode",
+    "pydoc_text",
+    "split_text",
+    "token_batches",
+    "wikitext_text",
+]
+
 SPLITS = ("train", "calib", "eval", "all")
 SPLIT_BOUNDS = {"train": (0.0, 0.8), "calib": (0.8, 0.9), "eval": (0.9, 1.0), "all": (0.0, 1.0)}
 

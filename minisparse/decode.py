@@ -55,6 +55,8 @@ from .decode_layers import (
 from .model import Block, RMSNorm, Transformer
 from .rope import rope_cos_sin
 
+__all__ = ["Clock", "Decoder", "Half"]
+
 
 @dataclass
 class Half:

@@ -25,6 +25,28 @@ from .quant import Int8Linear
 from .sparse_mlp import SparseMLP
 from .sparsity import MagnitudeThreshold
 
+__all__ = [
+    "ACT_CODES",
+    "MAX_TOKENS",
+    "AttnLayer",
+    "Mat",
+    "MlpLayer",
+    "Slot",
+    "SparseMlpLayer",
+    "activation_of",
+    "attn_layer",
+    "decode_library",
+    "global_hooks",
+    "hooked",
+    "linear_ok",
+    "mat",
+    "mlp_layer",
+    "plain_f32",
+    "predictor_of",
+    "slot_of",
+    "sparse_mlp_layer",
+]
+
 ACT_CODES = {"silu": 0, "relu": 1, "gelu": 2}
 MAX_TOKENS = 8  # as in decode_step.c: the most tokens one forward call takes
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+__all__ = ["mean_nll", "perplexity", "windows"]
+
 
 def windows(token_ids: Tensor, seq_len: int) -> Tensor:
     """Non-overlapping [n, seq_len] windows of a 1-D id tensor (a 2-D tensor is used as is)."""

@@ -33,6 +33,26 @@ from torch import Tensor
 from .hf import check_exportable, to_hf
 from .model import MLP, Transformer
 
+__all__ = [
+    "GGUF_DTYPES",
+    "GGUF_LAYER_NAMES",
+    "GGUF_TOP_NAMES",
+    "add_arguments",
+    "add_tensor",
+    "check_arguments",
+    "check_gguf_exportable",
+    "check_plain_mlps",
+    "copy_tokenizer",
+    "export_gguf",
+    "export_hf",
+    "gguf_tensors",
+    "load_placement",
+    "permute_for_gguf",
+    "run",
+    "save_placement",
+    "save_sidecars",
+]
+
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 #: minisparse parameter name (after ``layers.{i}.``) -> llama.cpp tensor name (after ``blk.{i}.``)
 GGUF_LAYER_NAMES = {

@@ -13,8 +13,8 @@ few hundred thousand tokens on a CPU worth something.
 What trains (``trainable``): ``"mlp"`` (gate/up/down weights only), ``"all"``, or ``"lora"``:
 every projection W of the blocks gets a low-rank update, W x + (alpha / r) B A x with
 A [r, in], B [out, r], B = 0 at the start (Hu et al. 2021); only A and B train, and
-``merge_lora_`` folds B A into W afterwards. Functions whose name ends in ``_`` change the model
-they are given (``finetune_`` trains the student in place).
+``merge_lora_`` folds B A into W afterwards (``minisparse.finetune_lora``). Functions whose
+name ends in ``_`` change the model they are given (``finetune_`` trains the student in place).
 
 Optimiser: AdamW, learning rate warmed up linearly for ``warmup`` steps, then cosine decay to
 ``min_lr_ratio`` of the peak. ``torch.autocast`` to bf16 (weights and optimiser state stay
@@ -45,12 +45,21 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .cache import save_tensors_atomic
+from .checks import check_count, check_fraction, check_positive
+from .finetune_lora import (
+    LORA_TARGETS,
+    LoRALinear,
+    add_lora,
+    add_lora_,
+    lora_weight_names,
+    merge_lora,
+    merge_lora_,
+)
 from .machine import cpu_info, cpu_name
-from .model import Transformer, check_count
+from .model import Transformer
 from .sparsity import recording
 
 TRAINABLE = ("mlp", "all", "lora")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -92,22 +101,6 @@ class FinetuneConfig:
             raise ValueError(f"bf16 must be None (automatic), True or False, got {self.bf16!r}.")
 
 
-def check_positive(value: float, name: str, example: str) -> float:
-    """A finite number > 0 (a learning rate, a scale), else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number > 0 (e.g. {example}), got {value!r}.")
-    if not 0 < value < math.inf:  # False for NaN
-        raise ValueError(f"{name} must be a finite number > 0 (e.g. {example}), got {value}.")
-    return float(value)
-
-
-def check_fraction(value: float, name: str) -> float:
-    """A number in [0, 1], else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
-    return float(value)
-
-
 def lr_at(step: int, config: FinetuneConfig) -> float:
     """Learning rate of ``step`` (0-based): linear warm-up, then cosine to min_lr_ratio * lr."""
     if step < config.warmup:
@@ -116,69 +109,6 @@ def lr_at(step: int, config: FinetuneConfig) -> float:
     progress = min((step - config.warmup) / span, 1.0)
     floor = config.min_lr_ratio
     return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-class LoRALinear(nn.Module):
-    """base(x) + (alpha / r) B A x with a frozen ``base`` and trainable A [r, in], B [out, r]."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, seed: int = 0) -> None:
-        super().__init__()
-        self.base, self.scale = base, alpha / rank
-        gen = torch.Generator().manual_seed(seed)
-        a = torch.randn(rank, base.in_features, generator=gen) / math.sqrt(base.in_features)
-        w = base.weight
-        self.A = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
-        self.B = nn.Parameter(torch.zeros(base.out_features, rank, device=w.device, dtype=w.dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.A), self.B) * self.scale
-
-    @torch.no_grad()
-    def merged(self) -> nn.Linear:
-        """``base`` with B A folded into its weight (in place)."""
-        self.base.weight += (self.B @ self.A) * self.scale
-        return self.base
-
-
-def add_lora_(model: Transformer, rank: int, alpha: float, seed: int = 0) -> Transformer:
-    """Wrap every block projection in a ``LoRALinear``; in place, returns ``model``."""
-    check_count(rank, "rank", fix="LoRA commonly uses 8 or 16")
-    check_positive(alpha, "alpha", "32")
-    for i, layer in enumerate(model.layers):
-        for owner in (layer.attn, layer.mlp):
-            for j, name in enumerate(n for n in LORA_TARGETS if hasattr(owner, n)):
-                base = getattr(owner, name)
-                setattr(owner, name, LoRALinear(base, rank, alpha, seed=seed + 100 * i + j))
-    return model
-
-
-def lora_weight_names(model: Transformer) -> list[str]:
-    """Names of the base weights wrapped by a ``LoRALinear`` (as they read after merging)."""
-    return [
-        f"layers.{i}.{part}.{name}.weight"
-        for i, layer in enumerate(model.layers)
-        for part, owner in (("attn", layer.attn), ("mlp", layer.mlp))
-        for name in LORA_TARGETS
-        if isinstance(getattr(owner, name, None), LoRALinear)
-    ]
-
-
-def merge_lora_(model: Transformer) -> Transformer:
-    """Fold every ``LoRALinear`` back into a plain linear; in place, returns ``model``."""
-    for layer in model.layers:
-        for owner in (layer.attn, layer.mlp):
-            for name in LORA_TARGETS:
-                module = getattr(owner, name, None)
-                if isinstance(module, LoRALinear):
-                    setattr(owner, name, module.merged())
-    return model
-
-
-def merge_lora(model: Transformer) -> list[str]:
-    """The name before the in-place convention: ``merge_lora_``, returning the merged names."""
-    names = lora_weight_names(model)
-    merge_lora_(model)
-    return names
 
 
 def select_trainable_(model: Transformer, config: FinetuneConfig) -> Transformer:
@@ -424,7 +354,6 @@ def check_train_batches(batches: Tensor, vocab_size: int) -> None:
 
 
 # The names before the in-place convention (a trailing underscore), kept for existing code.
-add_lora = add_lora_
 select_trainable = select_trainable_
 finetune = finetune_
 
@@ -435,6 +364,7 @@ def iter_history(history: list[dict[str, float]], key: str) -> Iterator[tuple[fl
 
 
 __all__ = [
+    "LORA_TARGETS",
     "FinetuneConfig",
     "FinetuneResult",
     "LoRALinear",

@@ -35,6 +35,22 @@ from .decode import Decoder
 from .kvcache import make_kv_cache
 from .model import Transformer, check_cache, check_count
 
+__all__ = [
+    "Prompt",
+    "TextStreamer",
+    "check_length",
+    "check_messages",
+    "check_prompt_ids",
+    "check_sampling",
+    "check_seed",
+    "encode_prompt",
+    "generate",
+    "logits_to_probs",
+    "make_generator",
+    "next_token",
+    "stop_ids",
+]
+
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
 

@@ -16,6 +16,19 @@ from torch import Tensor, nn
 
 from .model import ACTIVATIONS, ModelConfig, Transformer, rope_inv_freq
 
+__all__ = [
+    "LAYER_NAMES",
+    "TOP_NAMES",
+    "Parity",
+    "check_exportable",
+    "compare_logits",
+    "from_hf",
+    "hf_config",
+    "hf_name",
+    "parameter_names",
+    "to_hf",
+]
+
 TOP_NAMES = {
     "embed.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",

@@ -15,6 +15,14 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+__all__ = [
+    "capture_inputs",
+    "capture_outputs",
+    "mlp_activation_modules",
+    "mlp_activations",
+    "zero_fraction",
+]
+
 
 @contextmanager
 def capture_outputs(

@@ -28,6 +28,8 @@ from .offload import Placement
 from .sparse_mlp import SparseMLP, swap_mlps_
 from .sparsity import per_layer
 
+__all__ = ["HotColdMLP", "PartSelector", "apply", "executed_load", "neuron_subset"]
+
 
 def neuron_subset(mlp: MLP, neurons: Tensor) -> MLP:
     """An MLP holding only ``neurons``: its output is the full MLP's sum over those neurons."""

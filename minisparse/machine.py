@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+__all__ = ["Machine", "cpu_info", "cpu_name", "machine", "vector_isa"]
+
 
 def cpu_info() -> str:
     """The text of /proc/cpuinfo (Linux), or "" where there is none."""

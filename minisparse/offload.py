@@ -46,6 +46,25 @@ from torch import Tensor
 from .model import Transformer
 from .sparsity import per_layer, record
 
+__all__ = [
+    "POLICIES",
+    "Placement",
+    "budget_for",
+    "check_frequencies",
+    "check_neuron_bytes",
+    "check_placement_arguments",
+    "fast_load",
+    "feasible",
+    "greedy",
+    "layerwise",
+    "neuron_bytes",
+    "neuron_groups",
+    "place",
+    "profile",
+    "solve_ilp",
+    "top_overlap",
+]
+
 POLICIES = ("ilp", "greedy", "layerwise")
 
 

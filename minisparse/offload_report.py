@@ -21,6 +21,16 @@ from torch import Tensor
 from . import offload as O
 from . import offload_time as T
 
+__all__ = [
+    "Profiles",
+    "add_arguments",
+    "check_arguments",
+    "format_report",
+    "offload_report",
+    "profiles",
+    "run",
+]
+
 
 @dataclass
 class Profiles:

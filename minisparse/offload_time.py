@@ -35,6 +35,27 @@ from torch import Tensor
 
 from .offload import place
 
+__all__ = [
+    "GPU",
+    "GPUS",
+    "GPU_EFFICIENCY",
+    "RESERVE_GB",
+    "SHAPES",
+    "ModelShape",
+    "Processor",
+    "active",
+    "check_gpu",
+    "cpu_step",
+    "fits_on_gpu",
+    "hybrid_step",
+    "layerwise_dense_step",
+    "measure_cpu",
+    "neuron_budget",
+    "policy_speeds",
+    "resample",
+    "shape_of",
+]
+
 GPU_EFFICIENCY = 0.8  # assumed share of a GPU's peak bandwidth its sparse kernels reach
 RESERVE_GB = 1.5  # GPU memory kept for the KV cache, activations and the CUDA context
 

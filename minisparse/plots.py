@@ -9,6 +9,8 @@ import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+__all__ = ["activation_histogram", "per_layer_bars"]
+
 
 def activation_histogram(
     values: torch.Tensor, title: str, bins: int = 200, clip: float = 2.0

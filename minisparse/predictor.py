@@ -44,6 +44,20 @@ from torch import Tensor, nn
 
 from .contextual import top_k_mask
 
+__all__ = [
+    "KINDS",
+    "Predictor",
+    "Scores",
+    "calibrate_cutoff",
+    "confusion",
+    "fit",
+    "init_compressed_gate",
+    "init_random",
+    "predict_heads",
+    "predict_neurons",
+    "principal_directions",
+]
+
 KINDS = ("lowrank", "mlp")
 
 

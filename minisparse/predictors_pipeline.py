@@ -40,6 +40,15 @@ from .predictors_records import LayerRecord, record_layers
 from .predictors_set import Predictors, model_fingerprint
 from .predictors_sizing import PredictorConfig, size_layer
 
+__all__ = [
+    "fit_predictors",
+    "keep_largest",
+    "mlp_cost",
+    "predicted_masks_applied",
+    "predicted_quality",
+    "train_predictors",
+]
+
 
 def train_predictors(
     model: Transformer,

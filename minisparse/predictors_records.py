@@ -34,6 +34,8 @@ from .hooks import capture_inputs
 from .model import Transformer
 from .sparsity import calibrate_thresholds, head_norms
 
+__all__ = ["LayerRecord", "Target", "prediction_target", "record_layers"]
+
 
 @dataclass
 class Target:

@@ -47,6 +47,17 @@ from .predictor import KINDS, Predictor, confusion, fit, init_random, predict_he
 from .predictors_records import LayerRecord, record_layers
 from .predictors_sizing import PredictorConfig
 
+__all__ = [
+    "META_KEYS",
+    "Predictors",
+    "check_fingerprint",
+    "check_saved_shape",
+    "load_part",
+    "model_fingerprint",
+    "model_shape",
+    "read_predictors_file",
+]
+
 
 @dataclass
 class Predictors:

@@ -43,6 +43,8 @@ from .predictor import (
 )
 from .sparsity import check_sparsity
 
+__all__ = ["PredictorConfig", "build_predictor", "initial_rank", "size_layer"]
+
 
 @dataclass
 class PredictorConfig:

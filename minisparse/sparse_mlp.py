@@ -41,6 +41,28 @@ from torch import Tensor, nn
 
 from .model import MLP, Transformer
 
+__all__ = [
+    "ACT_NAMES",
+    "BACKENDS",
+    "MaskedMLP",
+    "Selector",
+    "SparseMLP",
+    "activation_name",
+    "calibrate_thresholds",
+    "gate_activations",
+    "kernel_ops",
+    "masked_mlps",
+    "mean_density",
+    "resolve_backend",
+    "same_masks",
+    "sparse_mlps",
+    "sparsify",
+    "sparsify_",
+    "swap_mlps",
+    "swap_mlps_",
+    "using_mlps",
+]
+
 Selector = Callable[[Tensor], Tensor]
 BACKENDS = ("auto", "cpu", "triton")
 ACT_NAMES = {nn.SiLU: "silu", nn.ReLU: "relu"}

@@ -34,6 +34,19 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+__all__ = [
+    "ModelSpeed",
+    "copy_bandwidth",
+    "interleaved_decode",
+    "interleaved_medians",
+    "interleaved_per_token",
+    "interleaved_times",
+    "median_time",
+    "read_bandwidth",
+    "roofline_seconds",
+    "synchronize",
+]
+
 
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued CUDA work (a no-op on CPU)."""

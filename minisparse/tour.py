@@ -28,6 +28,16 @@ from .loading import cache_dir, load, load_hf_reference
 from .model import Transformer, check_count, param_bytes
 from .plots import activation_histogram
 
+__all__ = [
+    "FIGURE_NAME",
+    "QUESTION",
+    "ActivationSummary",
+    "describe",
+    "figure_path",
+    "run_tour",
+    "summarize_activations",
+]
+
 QUESTION = "In one sentence, why does a language model need a KV cache?"
 FIGURE_NAME = "minisparse-tour.png"
 

@@ -231,3 +231,28 @@ def test_no_import_cycles():
     cycles = find_cycles(graph)
     report = "\n".join(" -> ".join(c) for c in cycles)
     assert not cycles, f"import cycles inside {PACKAGE}:\n{report}"
+
+
+def test_every_module_declares_its_public_names():
+    import importlib
+
+    from api_doc import module_names
+
+    missing = [
+        name
+        for name in module_names()
+        if not hasattr(importlib.import_module(name), "__all__")
+        and not name.endswith(("cli", "__main__"))
+    ]
+    assert not missing, f"modules without __all__: {missing}"
+
+
+def test_the_api_page_matches_the_code():
+    from pathlib import Path
+
+    from api_doc import api_markdown
+
+    page = Path(__file__).parent.parent / "docs" / "API.md"
+    assert page.read_text() == api_markdown(), (
+        "docs/API.md is out of date: python tests/api_doc.py > docs/API.md"
+    )

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisparse import kernels
-from minisparse.kernels import cpu
+from minisparse.kernels import cpu, cpu_build
 from minisparse.kernels.reference import (
     gather_gemv_ref,
     sparse_ffn_ref,
@@ -331,7 +331,7 @@ def test_cpu_fallback_without_compiler(monkeypatch):
 
 
 def test_missing_compiler_warns_with_the_fix(monkeypatch):
-    monkeypatch.setattr(cpu, "find_compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: None)  # load_library reads it there
     cpu.load_library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="Install gcc or clang"):

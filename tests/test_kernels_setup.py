@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from minisparse.kernels import cpu
+from minisparse.kernels import cpu, cpu_build
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -190,10 +190,10 @@ def test_library_key_follows_compiler_flags_and_cpu(monkeypatch):
     assert key != cpu.library_key(dataclasses.replace(base, path="/opt/gcc-13/bin/gcc"))
     assert key != cpu.library_key(dataclasses.replace(base, version="gcc 12.3"))
     assert key != cpu.library_key(dataclasses.replace(base, command=("cc", "-m32")))
-    monkeypatch.setattr(cpu, "FLAG_LADDER", ((),))
+    monkeypatch.setattr(cpu_build, "FLAG_LADDER", ((),))  # library_key reads them there
     assert key != cpu.library_key(base)
     monkeypatch.undo()
-    monkeypatch.setattr(cpu, "cpu_identity", lambda: "another CPU")
+    monkeypatch.setattr(cpu_build, "cpu_identity", lambda: "another CPU")
     assert key != cpu.library_key(base)
 
 

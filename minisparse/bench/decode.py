@@ -34,6 +34,21 @@ from ..machine import machine
 from ..model import check_count
 from ..timing import ModelSpeed, interleaved_decode, interleaved_per_token
 
+__all__ = [
+    "PROMPT",
+    "DecodeResult",
+    "DecodeSpeed",
+    "add_arguments",
+    "bench_decode",
+    "bench_decode_models",
+    "bench_decode_sparse",
+    "hf_greedy",
+    "llama_cpp_decode",
+    "main",
+    "print_llama_cpp_row",
+    "run",
+]
+
 PROMPT = "The Python language reference describes the syntax and"
 
 

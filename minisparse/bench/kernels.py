@@ -41,6 +41,25 @@ from ..machine import machine
 from ..model import check_count
 from ..timing import copy_bandwidth, interleaved_medians
 
+__all__ = [
+    "KERNELS",
+    "SHAPES",
+    "SPARSITIES",
+    "BenchRow",
+    "add_arguments",
+    "bench_shape",
+    "bench_sparse_ffn",
+    "dense_ffn",
+    "format_table",
+    "gather_progression",
+    "kernel_backend",
+    "main",
+    "parse_shape",
+    "parse_sparsity",
+    "run",
+    "union_density",
+]
+
 SHAPES = ((4096, 11008), (576, 1536))
 SPARSITIES = (0.0, 0.5, 0.7, 0.9, 0.95)
 KERNELS = ("gate/up", "down", "ffn")

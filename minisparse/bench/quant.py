@@ -45,6 +45,24 @@ from ..quant import QuantSpec, quantize_model, streamed_bytes
 from ..timing import interleaved_medians, read_bandwidth, roofline_seconds
 from .decode import bench_decode_models
 
+__all__ = [
+    "PROMPT",
+    "VARIANTS",
+    "LinearTimes",
+    "QuantSpeedRow",
+    "add_arguments",
+    "bench_quant",
+    "check_arguments",
+    "format_linear",
+    "format_rows",
+    "is_linear_layer",
+    "linear_shapes",
+    "linear_times",
+    "main",
+    "make_variants",
+    "run",
+]
+
 VARIANTS = ("fp32", "bf16", "int8", "int4")
 PROMPT = "The Python language reference describes the syntax and"
 

@@ -47,6 +47,22 @@ from ..speculative import (
 )
 from ..timing import interleaved_medians, interleaved_times
 
+__all__ = [
+    "DRAFTS",
+    "PROMPTS",
+    "SpecRow",
+    "add_arguments",
+    "bench_speculative",
+    "chat_prompts",
+    "check_arguments",
+    "check_bench_counts",
+    "format_rows",
+    "main",
+    "make_drafts",
+    "run",
+    "step_costs",
+]
+
 PROMPTS: dict[str, list[str]] = {
     "grounded": [
         "Correct the spelling mistakes in this sentence and write it out again: The quick brown "

@@ -35,6 +35,8 @@ from torch import Tensor
 from .interpreter import check_launchable, launch
 from .validate import check_sparse_input
 
+__all__ = ["BLOCK_K", "BLOCK_N", "sparse_input_gemv"]
+
 BLOCK_N = 64
 BLOCK_K = 32
 

@@ -8,28 +8,21 @@ there on a CPU takes three things, each one measured in the chapter's benchmark:
 1. **No copy.** ``W.index_select(0, idx) @ x`` first copies the active rows to a new tensor
    (read n K, write n K, read n K again): several times slower than the fused loop below, and
    often slower than dense.
-2. **Software prefetch.** A gathered row is a short, isolated burst (16 KiB for K = 4096 fp32).
-   The hardware prefetcher needs a few misses to lock onto each new burst, and the gaps between
-   active rows defeat it, so a plain loop loses up to half the bandwidth. While it multiplies
-   row i, the kernel asks for row i + 1 (``__builtin_prefetch``), so the next burst is already
-   in flight.
+2. **Software prefetch.** A gathered row is a short, isolated burst that the hardware
+   prefetcher cannot follow from one active row to the next; the loop asks for row i + 1 while
+   it multiplies row i, so the next burst is already in flight.
 3. **Huge pages.** Random rows touch a new 4 KiB page every 4 KiB, and each page costs a TLB
    miss and a page walk that a dense stream amortises. Weights placed in 2 MiB transparent
    huge pages (``hugepage_copy``; Linux, ``madvise(MADV_HUGEPAGE)``) remove most of them.
 
-The column-sparse loop also sums its rows in groups of eight in registers before adding them to
-the output: more streams in flight, and a rounding chain of n / 8 additions instead of n, which
-keeps it as accurate as the dense GEMV on a 30-layer model.
-
-The loops are a few lines of C, compiled on first use with the system C compiler
-(``$CC``, else ``cc``/``gcc``/``clang``) into minisparse's cache and loaded with ctypes. The
-compiled file is keyed on the source, the compiler's resolved path and ``--version``, the flags
-and the CPU, so a changed compiler or machine never loads a stale library. The flags try OpenMP
-(``-fopenmp``) first; a compiler without it (stock macOS clang) builds a single-threaded
-library instead. The parallel loops take their thread count from ``torch.get_num_threads()``
-at every call, so ``torch.set_num_threads`` (and the CLI's ``--threads``) apply to them too.
-Without a compiler every function still works, through torch (``index_select`` + matmul), and
-says once how to get the fast path. The fast loops take float32; other dtypes use the torch path.
+The loops are a few lines of C (``minisparse.kernels.cpu_loops``: the prefetch, and the
+column-sparse loop's sums in groups of eight), compiled on first use with the system C compiler
+into minisparse's cache and loaded with ctypes (``minisparse.kernels.cpu_build``; its names can
+be imported from here too). The parallel loops take their thread count from
+``torch.get_num_threads()`` at every call, so ``torch.set_num_threads`` (and the CLI's
+``--threads``) apply to them too. Without a compiler every function still works, through torch
+(``index_select`` + matmul), and says once how to get the fast path. The fast loops take
+float32; other dtypes use the torch path.
 
 Every public function checks its arguments first (``validate``); the C loops check the indices
 again before they read a weight and report allocation failures, so no input can make them read
@@ -43,22 +36,24 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from .cpu_build import (
+    BASE_FLAGS,
+    FLAG_LADDER,
+    Compiler,
+    cache_dir,
+    cpu_identity,
+    find_compiler,
+    library_key,
+    load_library,
+    load_source_library,
+    resolve_compiler,
+)
+from .cpu_loops import BAD_INDEX, C_SOURCE, NO_MEMORY
 from .reference import apply_activation, gather_gemv_ref
 from .validate import (
     check_ffn,
@@ -73,364 +68,8 @@ from .validate import (
     check_vector,
 )
 
-C_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#define THREAD_ID() omp_get_thread_num()
-#else
-#define THREAD_ID() 0
-#endif
-
-/* Below this many weights a call stays on one thread: waking the others costs more. */
-#define PARALLEL_MIN (1 << 20)
-
-/* Return codes: Python turns them into ValueError / MemoryError. */
-#define OK 0
-#define BAD_INDEX 1
-#define NO_MEMORY 2
-
-/* 16 floats in one vector register (AVX-512), or split over smaller ones elsewhere. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
-static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, 64); }
-
-/* row . x with four independent vector accumulators; while it reads row, it asks the memory
-   system for the same 256 bytes of the next row to come (next may be 0). */
-static float dot_prefetch(const float* row, const float* x, int64_t K, const float* next) {
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        if (next)
-            for (int q = 0; q < 64; q += 16) __builtin_prefetch(next + k + q, 0, 0);
-        a0 += load16(row + k) * load16(x + k);
-        a1 += load16(row + k + 16) * load16(x + k + 16);
-        a2 += load16(row + k + 32) * load16(x + k + 32);
-        a3 += load16(row + k + 48) * load16(x + k + 48);
-    }
-    v16 s = (a0 + a1) + (a2 + a3);
-    float acc = 0.0f;
-    for (int q = 0; q < 16; q++) acc += s[q];
-    for (; k < K; k++) acc += row[k] * x[k];
-    return acc;
-}
-
-/* y += sum_r a[r] * rows[r] over a group of g <= GROUP rows. The group is summed in registers
-   first and added to y once: y sees n / GROUP additions instead of n (a shorter rounding chain,
-   fewer passes over y) and g streams are in flight at once. next[0..ng) is the next group. */
-#define GROUP 8
-static void axpy_group(float* y, const float* a, const float* const* rows, int g,
-                       const float* const* next, int ng, int64_t N) {
-    int64_t c = 0;
-    for (; c + 64 <= N; c += 64) {
-        for (int r = 0; r < ng; r++)
-            for (int q = 0; q < 64; q += 16) __builtin_prefetch(next[r] + c + q, 0, 0);
-        v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-        for (int r = 0; r < g; r++) {
-            const float* row = rows[r] + c;
-            s0 += a[r] * load16(row);
-            s1 += a[r] * load16(row + 16);
-            s2 += a[r] * load16(row + 32);
-            s3 += a[r] * load16(row + 48);
-        }
-        store16(y + c, load16(y + c) + s0);
-        store16(y + c + 16, load16(y + c + 16) + s1);
-        store16(y + c + 32, load16(y + c + 32) + s2);
-        store16(y + c + 48, load16(y + c + 48) + s3);
-    }
-    for (; c < N; c++) {
-        float acc = 0.0f;
-        for (int r = 0; r < g; r++) acc += a[r] * rows[r][c];
-        y[c] += acc;
-    }
-}
-
-/* 1 when an index lies outside [0, n_rows): checked before any weight is read. */
-static int bad_indices(const int64_t* idx, int64_t n, int64_t n_rows) {
-    for (int64_t i = 0; i < n; i++)
-        if (idx[i] < 0 || idx[i] >= n_rows) return 1;
-    return 0;
-}
-
-/* Threads for a call of `work` weights: one below PARALLEL_MIN, else the caller's count. */
-static int team(int64_t work, int num_threads) {
-#ifdef _OPENMP
-    return work >= PARALLEL_MIN && num_threads > 1 ? num_threads : 1;
-#else
-    (void)work;
-    (void)num_threads;
-    return 1;
-#endif
-}
-
-/* Row-sparse GEMV: y[b, i] = sum_k W[idx[i], k] x[b, k]. Chunks of rows go to threads. */
-int gather_gemv_f32(const float* W, int64_t n_rows, int64_t ldw, const float* x, int64_t B,
-                    int64_t K, const int64_t* idx, int64_t n, float* y, int prefetch,
-                    int num_threads) {
-    if (bad_indices(idx, n, n_rows)) return BAD_INDEX;
-    #pragma omp parallel for schedule(dynamic, 16) num_threads(team(n * K, num_threads))
-    for (int64_t i = 0; i < n; i++) {
-        const float* row = W + idx[i] * ldw;
-        const float* next = (prefetch && i + 1 < n) ? W + idx[i + 1] * ldw : 0;
-        for (int64_t b = 0; b < B; b++)  /* row i stays in L1/L2 across the batch */
-            y[b * n + i] = dot_prefetch(row, x + b * K, K, b == 0 ? next : 0);
-    }
-    return OK;
-}
-
-/* Column-sparse GEMV: y[b, :] = sum_i v[b, i] Wt[idx[i], :] (y zeroed by the caller).
-   Groups of GROUP active rows go to threads; each sums into its own buffer, then adds it to y.
-   One thread sums straight into y. */
-int scatter_gemv_f32(const float* Wt, int64_t n_rows, int64_t ldw, const float* v, int64_t B,
-                     int64_t n, const int64_t* idx, int64_t N, float* y, int prefetch,
-                     int num_threads) {
-    if (bad_indices(idx, n, n_rows)) return BAD_INDEX;
-    int nt = team(n * N, num_threads);
-    size_t size = (size_t)B * (size_t)N;
-    float* parts = y;
-    if (nt > 1) {
-        parts = (float*)calloc((size_t)nt * size, sizeof(float));
-        if (!parts) return NO_MEMORY;
-    }
-    #pragma omp parallel num_threads(nt)
-    {
-        float* part = parts + (size_t)THREAD_ID() * size;
-        #pragma omp for schedule(dynamic, 2) nowait
-        for (int64_t grp = 0; grp < (n + GROUP - 1) / GROUP; grp++) {
-            int64_t i0 = grp * GROUP;
-            int g = n - i0 < GROUP ? (int)(n - i0) : GROUP;
-            int ng = prefetch ? (n - i0 - g < GROUP ? (int)(n - i0 - g) : GROUP) : 0;
-            const float* rows[GROUP];
-            const float* next[GROUP];
-            float a[GROUP];
-            for (int r = 0; r < g; r++) rows[r] = Wt + idx[i0 + r] * ldw;
-            for (int r = 0; r < ng; r++) next[r] = Wt + idx[i0 + g + r] * ldw;
-            for (int64_t b = 0; b < B; b++) {
-                for (int r = 0; r < g; r++) a[r] = v[b * n + i0 + r];
-                axpy_group(part + b * N, a, rows, g, next, b == 0 ? ng : 0, N);
-            }
-        }
-        if (nt > 1) {
-            #pragma omp critical
-            for (size_t c = 0; c < size; c++) y[c] += part[c];
-        }
-    }
-    if (nt > 1) free(parts);
-    return OK;
-}
-
-/* The size of the team a parallel region asking for num_threads gets (1 without OpenMP). */
-int team_size(int num_threads) {
-#ifdef _OPENMP
-    int size = 1;
-    #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
-    {
-        #pragma omp single
-        size = omp_get_num_threads();
-    }
-    return size;
-#else
-    (void)num_threads;
-    return 1;
-#endif
-}
-
-/* 1 when compiled with OpenMP. */
-int built_with_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
-"""
-
 HUGE_PAGE = 2 * 2**20
 MADV_HUGEPAGE = 14
-BASE_FLAGS = ("-O3", "-shared", "-fPIC")
-# Tried in order: OpenMP and the host's vector instructions first; a compiler that knows neither
-# flag (stock macOS clang has no -fopenmp) still builds a plain, single-threaded library.
-FLAG_LADDER = (("-fopenmp", "-march=native"), ("-fopenmp",), ("-march=native",), ())
-BAD_INDEX, NO_MEMORY = 1, 2
-
-
-@dataclass(frozen=True)
-class Compiler:
-    """A C compiler as found: the command (``$CC`` may hold arguments), its resolved executable
-    and its ``--version`` output, all three part of the compiled library's cache key."""
-
-    command: tuple[str, ...]
-    path: str
-    version: str
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels live: ``cpu_kernels`` in minisparse's cache directory."""
-    from ..cache import cache_dir as minisparse_cache_dir
-
-    return minisparse_cache_dir() / "cpu_kernels"
-
-
-def cpu_identity() -> str:
-    """The CPU model and its feature flags: a library built with -march=native is only valid on
-    the kind of CPU that built it, so this goes into the cache key."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine() + platform.processor()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return platform.machine() + "".join(sorted(set(lines)))
-
-
-def find_compiler() -> str | None:
-    """$CC if set, else the first of cc, gcc, clang on PATH."""
-    if os.environ.get("CC"):
-        return os.environ["CC"]
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return name
-    return None
-
-
-def resolve_compiler(spec: str) -> Compiler | None:
-    """The compiler a command names, or None when it is not an executable that answers
-    ``--version`` (a typo in $CC, a removed compiler)."""
-    try:
-        command = tuple(shlex.split(spec))
-    except ValueError:
-        return None
-    found = shutil.which(command[0]) if command else None
-    if found is None:
-        return None
-    path = os.path.realpath(found)
-    try:
-        proc = subprocess.run(
-            [found, *command[1:], "--version"], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if proc.returncode != 0:
-        return None
-    return Compiler(command, path, (proc.stdout + proc.stderr).strip())
-
-
-def library_key(compiler: Compiler, source: str = C_SOURCE) -> str:
-    """Hash of everything the compiled file depends on: source, compiler, flags, platform, CPU."""
-    parts = [
-        source,
-        " ".join(compiler.command),
-        compiler.path,
-        compiler.version,
-        repr(BASE_FLAGS),
-        repr(FLAG_LADDER),
-        sys.platform,
-        cpu_identity(),
-    ]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def _compile(compiler: Compiler, out: Path, source: str = C_SOURCE) -> None:
-    """Compile ``source`` to the shared library ``out`` with the first flags of FLAG_LADDER the
-    compiler accepts (atomically: a temporary file, then a rename)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "source.c"
-        src.write_text(source)
-        lib = Path(tmp) / out.name
-        base = [*compiler.command, *BASE_FLAGS, str(src), "-o", str(lib), "-lm"]
-        last_error = ""
-        for extra in FLAG_LADDER:
-            proc = subprocess.run(
-                base + list(extra), capture_output=True, text=True, check=False, timeout=300
-            )
-            if proc.returncode == 0:
-                os.replace(lib, out)
-                return
-            last_error = proc.stderr.strip()
-        raise RuntimeError(last_error)
-
-
-def _open(compiler: Compiler, path: Path, source: str = C_SOURCE) -> ctypes.CDLL:
-    """The library at ``path``, compiled first when missing or damaged."""
-    if not path.exists():
-        _compile(compiler, path, source)
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError:  # a damaged file (an interrupted copy, a full disk): build it again
-        path.unlink(missing_ok=True)
-        _compile(compiler, path, source)
-        return ctypes.CDLL(str(path))
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    """Argument and result types of the C functions (ctypes trusts them)."""
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    gemv_args = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int, c_int]
-    for fn in (lib.gather_gemv_f32, lib.scatter_gemv_f32):
-        fn.argtypes, fn.restype = gemv_args, c_int
-    lib.team_size.argtypes, lib.team_size.restype = [c_int], c_int
-    lib.built_with_openmp.argtypes, lib.built_with_openmp.restype = [], c_int
-
-
-@functools.lru_cache(maxsize=1)
-def load_library() -> ctypes.CDLL | None:
-    """The compiled fast kernels, or None (with a one-time warning naming the fix)."""
-    if not sys.platform.startswith("linux") and sys.platform != "darwin":
-        return None
-    spec = find_compiler()
-    compiler = None if spec is None else resolve_compiler(spec)
-    if compiler is None:
-        named = "No C compiler found" if spec is None else f"The C compiler {spec!r} is not usable"
-        warnings.warn(
-            f"{named}, so minisparse's CPU sparse kernels fall back to index_select + matmul, "
-            "which is slower than dense. Install gcc or clang (or set CC) for the fast path.",
-            stacklevel=3,
-        )
-        return None
-    try:
-        lib = _open(compiler, cache_dir() / f"sparse_gemv_{library_key(compiler)}.so")
-        _declare(lib)
-    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
-        warnings.warn(
-            f"Compiling minisparse's CPU sparse kernels with {compiler.path!r} failed ({err}); "
-            "falling back to index_select + matmul. Install gcc or clang (or set CC) for the "
-            "fast path.",
-            stacklevel=3,
-        )
-        return None
-    if not lib.built_with_openmp():
-        warnings.warn(
-            f"{compiler.path!r} has no OpenMP (-fopenmp), so minisparse's CPU sparse kernels run "
-            "on one core. Install an OpenMP-capable gcc or clang (macOS: brew install libomp "
-            "llvm, then CC=$(brew --prefix llvm)/bin/clang) for the parallel fast path.",
-            stacklevel=3,
-        )
-    return lib
-
-
-def load_source_library(
-    filename: str, declare: Callable[[ctypes.CDLL], None]
-) -> ctypes.CDLL | None:
-    """Another C file of this package (e.g. ``decode_step.c``), compiled like the sparse
-    loops (same compiler, flags and cache key rules) and declared by ``declare``; None when the
-    fast path is unavailable (after the one warning ``load_library`` gives)."""
-    if load_library() is None:
-        return None
-    compiler = resolve_compiler(find_compiler() or "")
-    source = (Path(__file__).parent / filename).read_text()
-    key = library_key(compiler, source)
-    try:
-        lib = _open(compiler, cache_dir() / f"{Path(filename).stem}_{key}.so", source)
-        declare(lib)
-    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
-        warnings.warn(
-            f"Compiling minisparse's {filename} with {compiler.path!r} failed ({err}); the "
-            "torch path runs instead.",
-            stacklevel=3,
-        )
-        return None
-    return lib
 
 
 def fast_path_available() -> bool:
@@ -669,3 +308,32 @@ def sparse_ffn(
         return _unbatch((h @ W_down_t[rows].to(acc)).to(x.dtype), x)
     h = apply_activation(_gather(W_gate, x, idx, True), act) * _gather(W_up, x, idx, True)
     return _unbatch(_scatter(W_down_t, h, idx, True), x)
+
+
+__all__ = [
+    "BAD_INDEX",
+    "BASE_FLAGS",
+    "C_SOURCE",
+    "FLAG_LADDER",
+    "HUGE_PAGE",
+    "MADV_HUGEPAGE",
+    "NO_MEMORY",
+    "Compiler",
+    "active_inputs",
+    "cache_dir",
+    "cpu_identity",
+    "dense_gemv",
+    "fast_path_available",
+    "fast_path_threads",
+    "find_compiler",
+    "gather_gemv",
+    "gather_rows_dot",
+    "hugepage_copy",
+    "library_key",
+    "load_library",
+    "load_source_library",
+    "resolve_compiler",
+    "scatter_rows_sum",
+    "sparse_ffn",
+    "sparse_input_gemv",
+]

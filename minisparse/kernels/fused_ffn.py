@@ -38,6 +38,8 @@ from .reference import ACTIVATIONS, apply_activation
 from .row_sparse import gather_gemv
 from .validate import check_ffn
 
+__all__ = ["BLOCK_D", "BLOCK_N", "sparse_ffn", "sparse_ffn_unfused"]
+
 BLOCK_N = 16
 BLOCK_D = 128
 

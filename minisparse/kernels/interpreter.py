@@ -33,6 +33,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+__all__ = [
+    "check_launchable",
+    "interpreted",
+    "interpreted_scope",
+    "interpreting",
+    "launch",
+    "triton_available",
+    "user_setting",
+]
+
 _TRUE = ("1", "true", "yes", "on")
 _LOCK = threading.RLock()
 _TWINS: dict[Any, Any] = {}  # python function -> its InterpretedFunction

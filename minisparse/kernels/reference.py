@@ -40,6 +40,15 @@ from .validate import (
     check_threshold,
 )
 
+__all__ = [
+    "accumulation_dtype",
+    "apply_activation",
+    "gather_gemv_ref",
+    "input_mask",
+    "sparse_ffn_ref",
+    "sparse_input_gemv_ref",
+]
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; every other float type accumulates in float32."""

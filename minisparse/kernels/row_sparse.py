@@ -35,6 +35,8 @@ from torch import Tensor
 from .interpreter import check_launchable, launch
 from .validate import check_gather
 
+__all__ = ["BLOCK_K", "BLOCK_N", "gather_gemv", "gather_gemv_naive"]
+
 BLOCK_N = 16
 BLOCK_K = 128
 

@@ -27,6 +27,22 @@ import numbers
 import torch
 from torch import Tensor
 
+__all__ = [
+    "ACTIVATIONS",
+    "check_activation",
+    "check_ffn",
+    "check_float32_cpu",
+    "check_gather",
+    "check_indices",
+    "check_matrix",
+    "check_same_device",
+    "check_sparse_input",
+    "check_tensor",
+    "check_threshold",
+    "check_vector",
+    "is_index_dtype",
+]
+
 ACTIVATIONS = ("silu", "relu", "gelu")
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+__all__ = ["FFNWeights", "check_sparsity", "random_active_sets", "random_ffn"]
+
 
 def check_sparsity(s: float) -> float:
     """Sparsity is the fraction of neurons skipped: a number in [0, 1)."""
