@@ -1,0 +1,230 @@
+"""One engine: the course's techniques combined, configured by one dataclass (chapter 11).
+
+Each chapter built one way to read fewer bytes per token. ``build`` composes them on a model,
+calling each chapter's own code, in the order the bytes flow:
+
+1. which neurons are active: the fine-tuned ReLU model of chapter 04 (exact zeros) or
+   chapter 03's CATS thresholds on act(W_gate x) (training-free, approximate);
+2. how they are found: the threshold itself (an oracle that computes the gate densely), or
+   chapter 06's predictors (``predictors=`` a file saved by ``minisparse predictors``);
+3. how they are computed: chapter 07's sparse kernels (``SparseMLP``), or the masked dense
+   reference (``sparse_kernels=False``: same result, every byte read);
+4. where they live: chapter 08's hot/cold split under a fast-device budget (its speed is
+   modelled without a GPU; the logits are computed exactly on the CPU);
+5. how many bits each weight has: chapter 09's weight-only int8 / int4 layers;
+6. how many tokens one pass yields: chapter 10's speculative decoding with a draft.
+
+What does not combine is refused with the reason. Today the sparse kernels read float32
+weights, so sparsity and low-bit weights exclude each other (a sparse int8 GEMV would make them
+multiply); a draft cannot be the target itself (an int8 draft for an int8 target).
+
+``Engine.generate`` decodes with the result; for lossless configurations (speculative
+decoding, the ReLU model with exact masks) its greedy tokens equal plain greedy decoding of
+the same model, which the tests check.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from .generate import generate
+from .model import Transformer
+from .offload import Placement
+
+__all__ = ["DRAFTS", "SPARSITY", "WEIGHTS", "Engine", "EngineConfig", "build"]
+
+SPARSITY = ("none", "relu", "cats")
+WEIGHTS = ("fp32", "int8", "int4")
+DRAFTS = (None, "prompt-lookup", "int8", "sparse")
+INT4_GROUP = 32  # int4 weights: one scale and zero point per 32 weights (chapter 09)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Which technique of each chapter the engine uses (defaults: the dense model)."""
+
+    sparsity: str = "none"  # "relu" (chapter 04), "cats" (chapter 03) or "none"
+    cats_sparsity: float = 0.5  # share of neurons the CATS thresholds skip
+    predictors: str | None = None  # chapter 06 predictors file; None: the threshold (oracle)
+    sparse_kernels: bool = True  # chapter 07 kernels; False: the masked dense reference
+    offload_budget: float | None = None  # chapter 08: share of FFN bytes on the fast device
+    weights: str = "fp32"  # chapter 09: "int8" / "int4" weight-only layers
+    draft: str | None = None  # chapter 10: "prompt-lookup", "int8" or "sparse"
+    gamma: int = 4  # tokens the draft proposes per pass
+
+    def check(self) -> EngineConfig:
+        """Return self, or raise one ValueError that names the conflicting settings."""
+        choices = (("sparsity", SPARSITY), ("weights", WEIGHTS), ("draft", DRAFTS))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        if not 0.0 <= self.cats_sparsity < 1.0:
+            raise ValueError(f"cats_sparsity must be in [0, 1), got {self.cats_sparsity}.")
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"gamma must be a whole number >= 1, got {self.gamma!r}.")
+        sparse = self.sparsity != "none"
+        if self.offload_budget is not None and not 0 < self.offload_budget <= 1:
+            raise ValueError(f"offload_budget is a share in (0, 1], got {self.offload_budget}.")
+        needs_sparsity = {
+            "predictors": self.predictors is not None,
+            "offload_budget": self.offload_budget is not None,
+            "sparse_kernels=False": not self.sparse_kernels,
+        }
+        for name, used in needs_sparsity.items():
+            if used and not sparse:
+                raise ValueError(f"{name} needs active neurons: set sparsity='relu' or 'cats'.")
+        if sparse and self.weights != "fp32":
+            raise ValueError(
+                "The sparse kernels read float32 weights: sparsity and weights="
+                f"{self.weights!r} do not combine yet. Choose weights='fp32' or sparsity='none'."
+            )
+        if self.draft == "int8" and self.weights == "int8":
+            raise ValueError("An int8 draft of an int8 model is the model itself; pick another.")
+        if self.draft == "sparse" and sparse:
+            raise ValueError("A sparse draft of a sparse model is the model itself; pick another.")
+        return self
+
+
+@dataclass
+class Engine:
+    """A built configuration: the model to run, its draft, and what chapter 08 placed."""
+
+    config: EngineConfig
+    model: Transformer
+    tokenizer: Any
+    draft: Any = None
+    placement: Placement | None = None
+    description: str = ""
+
+    def generate(self, prompt: Any, max_new_tokens: int = 64, **sampling: Any) -> list[int]:
+        """New token ids after ``prompt``, as ``minisparse.generate`` returns them."""
+        if self.draft is None:
+            return generate(self.model, self.tokenizer, prompt, max_new_tokens, **sampling)
+        from .speculative import speculative_generate
+
+        ids, _ = speculative_generate(
+            self.model, self.tokenizer, prompt, self.draft, self.config.gamma, max_new_tokens,
+            **sampling,
+        )  # fmt: skip
+        return ids
+
+    def resident_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers (what must sit in memory)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def build(
+    base: Transformer,
+    tokenizer: Any,
+    config: EngineConfig,
+    calibration: Tensor | None = None,
+) -> Engine:
+    """The engine ``config`` describes, built on ``base`` (left unchanged).
+
+    ``calibration`` [batch, seq] token ids: needed for CATS thresholds, a placement and the
+    sparse draft.
+    """
+    config.check()
+    needs = config.sparsity == "cats" or config.offload_budget is not None
+    if (needs or config.draft == "sparse") and calibration is None:
+        raise ValueError("This configuration calibrates on text: pass calibration= token ids.")
+    model, parts = base, []
+    if config.sparsity == "relu":
+        from .relufy import load_relufied
+
+        model, _ = load_relufied(base, 1)
+        parts.append("ReLU model (ch. 04)")
+    thresholds = active_thresholds(model, config, calibration)
+    select = load_selector(model, config.predictors)
+    placement = None
+    if config.offload_budget is not None:
+        placement = place_neurons(model, thresholds, config.offload_budget, calibration)
+        model = split(model, placement, thresholds, select)
+        parts.append(f"hot/cold split at {config.offload_budget:.0%} of FFN bytes (ch. 08)")
+    elif thresholds is not None:
+        model = sparse_model(model, thresholds, select, config.sparse_kernels)
+        kind = "sparse kernels" if config.sparse_kernels else "masked dense MLPs"
+        finder = "predictors" if select else "thresholds"
+        parts.append(f"{kind}, neurons from {finder} (ch. 0{6 if select else 3}, 07)")
+    if config.weights != "fp32":
+        model = low_bit(model, config.weights)
+        parts.append(f"{config.weights} weights (ch. 09)")
+    draft = make_draft(model, config.draft, calibration)
+    if draft is not None:
+        parts.append(f"{config.draft} draft, gamma {config.gamma} (ch. 10)")
+    text = ", ".join(parts) or "the dense model"
+    return Engine(config, model, tokenizer, draft, placement, text)
+
+
+def active_thresholds(
+    model: Transformer, config: EngineConfig, calibration: Tensor | None
+) -> list[float] | None:
+    """Per-layer thresholds on |act(W_gate x)|: 0 for the ReLU model, CATS's otherwise."""
+    if config.sparsity == "none":
+        return None
+    if config.sparsity == "relu":
+        return [0.0] * len(model.layers)
+    from .sparse_mlp import calibrate_thresholds
+
+    return calibrate_thresholds(model, calibration, config.cats_sparsity)
+
+
+def load_selector(model: Transformer, path: str | None) -> Any:
+    if path is None:
+        return None
+    from .predictors import Predictors
+
+    return Predictors.load(path, model).select
+
+
+def place_neurons(
+    model: Transformer, thresholds: Sequence[float], share: float, calibration: Tensor
+) -> Placement:
+    from .offload import budget_for, neuron_bytes, place, profile
+
+    frequencies = profile(model, calibration, thresholds, progress=False)
+    size = neuron_bytes(model)
+    return place(frequencies, size, budget_for(frequencies, size, share), "ilp", group_size=32)
+
+
+def split(model: Transformer, placement: Placement, thresholds: Any, select: Any) -> Transformer:
+    from .hybrid import apply
+
+    if select is not None:
+        return apply(model, placement, select=select)
+    return apply(model, placement, thresholds=thresholds)
+
+
+def sparse_model(model: Transformer, thresholds: Any, select: Any, kernels: bool) -> Transformer:
+    from .sparse_mlp import masked_mlps, sparse_mlps, swap_mlps_
+
+    new = copy.deepcopy(model)
+    limits = None if select is not None else thresholds
+    make = sparse_mlps if kernels else masked_mlps
+    swap_mlps_(new, make(new, limits, select))
+    return new
+
+
+def low_bit(model: Transformer, weights: str) -> Transformer:
+    from .quant import quantize_model
+
+    bits, group = (8, None) if weights == "int8" else (4, INT4_GROUP)
+    return quantize_model(model, bits=bits, group_size=group, packed=True, progress=False)
+
+
+def make_draft(model: Transformer, kind: str | None, calibration: Tensor | None) -> Any:
+    from .speculative import int8_draft, prompt_lookup_draft, sparse_draft
+
+    makers = {
+        "prompt-lookup": prompt_lookup_draft,
+        "int8": functools.partial(int8_draft, model),
+        "sparse": functools.partial(sparse_draft, model, calibration, 0.5),
+    }
+    return None if kind is None else makers[kind]()

@@ -1,0 +1,94 @@
+"""The engine composes the chapters: lossless settings decode exactly like the plain model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import IdTokenizer, tiny_model
+from minisparse import engine as E
+from minisparse.generate import generate
+from minisparse.hybrid import HotColdMLP
+from minisparse.quant import quantize_model
+from minisparse.sparse_mlp import MaskedMLP, SparseMLP
+
+TOK = IdTokenizer()
+PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 2, 60, 9, 5, 17]  # repeats: prompt lookup finds matches
+CALIB = torch.randint(0, 97, (4, 24), generator=torch.Generator().manual_seed(0))
+
+
+def model():
+    return tiny_model(seed=7, std=0.1)
+
+
+def test_the_default_engine_is_the_dense_model():
+    m = model()
+    engine = E.build(m, TOK, E.EngineConfig())
+    assert engine.model is m and engine.description == "the dense model"
+    assert engine.generate(PROMPT, 12) == generate(m, TOK, PROMPT, 12)
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "int8", "sparse"])
+def test_speculative_engines_give_the_plain_greedy_tokens(draft):
+    m = model()
+    engine = E.build(m, TOK, E.EngineConfig(draft=draft, gamma=3), calibration=CALIB)
+    assert engine.generate(PROMPT, 16) == generate(m, TOK, PROMPT, 16)
+
+
+def test_int8_weights_with_a_prompt_lookup_draft_equal_the_quantized_model():
+    m = model()
+    engine = E.build(m, TOK, E.EngineConfig(weights="int8", draft="prompt-lookup"))
+    reference = quantize_model(m, bits=8, packed=True, progress=False)
+    assert engine.generate(PROMPT, 12) == generate(reference, TOK, PROMPT, 12)
+
+
+@torch.inference_mode()
+def test_sparse_kernels_and_the_hot_cold_split_compute_the_masked_model():
+    m = model()
+    cats = E.EngineConfig(sparsity="cats", cats_sparsity=0.5)
+    kernels = E.build(m, TOK, cats, CALIB)
+    masked = E.build(m, TOK, E.EngineConfig(sparsity="cats", sparse_kernels=False), CALIB)
+    split = E.build(m, TOK, E.EngineConfig(sparsity="cats", offload_budget=0.3), CALIB)
+    assert isinstance(kernels.model.layers[0].mlp, SparseMLP)
+    assert isinstance(masked.model.layers[0].mlp, MaskedMLP)
+    assert isinstance(split.model.layers[0].mlp, HotColdMLP) and split.placement is not None
+    tokens = torch.tensor([PROMPT])
+    reference = masked.model(tokens)
+    assert (kernels.model(tokens) - reference).abs().max() < 1e-4
+    assert (split.model(tokens) - reference).abs().max() < 1e-4
+    assert (reference - m(tokens)).abs().max() > 1e-3  # the masks matter
+    assert not isinstance(m.layers[0].mlp, SparseMLP)  # the base model is left alone
+
+
+def test_int4_weights_shrink_the_resident_bytes():
+    m = tiny_model(seed=1, dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, head_dim=16)
+    dense = E.build(m, TOK, E.EngineConfig())
+    int4 = E.build(m, TOK, E.EngineConfig(weights="int4"))
+    assert int4.resident_bytes() < 0.6 * dense.resident_bytes()
+    assert "int4 weights" in int4.description
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"sparsity": "gelu"}, "sparsity must be one of"),
+        ({"weights": "int2"}, "weights must be one of"),
+        ({"draft": "medusa"}, "draft must be one of"),
+        ({"gamma": 0}, "gamma must be"),
+        ({"cats_sparsity": 1.0}, r"cats_sparsity must be in \[0, 1\)"),
+        ({"predictors": "p.safetensors"}, "predictors needs active neurons"),
+        ({"offload_budget": 0.3}, "offload_budget needs active neurons"),
+        ({"sparsity": "cats", "offload_budget": 1.5}, r"offload_budget is a share in \(0, 1\]"),
+        ({"sparsity": "cats", "weights": "int8"}, "do not combine yet"),
+        ({"weights": "int8", "draft": "int8"}, "is the model itself"),
+        ({"sparsity": "cats", "draft": "sparse"}, "is the model itself"),
+    ],
+)
+def test_invalid_combinations_get_one_clear_error(config, message):
+    with pytest.raises(ValueError, match=message):
+        E.build(model(), TOK, E.EngineConfig(**config), CALIB)
+
+
+def test_calibration_is_asked_for_when_needed():
+    with pytest.raises(ValueError, match="pass calibration="):
+        E.build(model(), TOK, E.EngineConfig(sparsity="cats"))
