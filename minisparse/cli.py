@@ -236,6 +236,7 @@ CHAPTER_BENCHMARKS = {
     "sparse-ffn": ("kernels", "sparse FFN kernels vs dense and the ideal (chapter 07)"),
     "quant": ("quant", "fp32 vs bf16 / int8 / int4 weight-only decode speed (chapter 09)"),
     "speculative": ("speculative", "plain vs speculative decoding per draft (chapter 10)"),
+    "engine": ("engine", "the engine's configurations: speed, perplexity, memory (chapter 11)"),
 }
 
 

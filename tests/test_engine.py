@@ -92,3 +92,36 @@ def test_invalid_combinations_get_one_clear_error(config, message):
 def test_calibration_is_asked_for_when_needed():
     with pytest.raises(ValueError, match="pass calibration="):
         E.build(model(), TOK, E.EngineConfig(sparsity="cats"))
+
+
+def test_bench_engine_times_every_configuration_against_dense():
+    from minisparse.bench.engine import bench_engine
+
+    configs = {
+        "dense": E.EngineConfig(),
+        "int8": E.EngineConfig(weights="int8"),
+        "lookup": E.EngineConfig(draft="prompt-lookup"),
+    }
+    eval_ids = torch.randint(0, 97, (2 * 32,), generator=torch.Generator().manual_seed(1))
+    rows = bench_engine(model(), TOK, configs, PROMPT, CALIB, eval_ids, 8, 1, False, seq_len=32)
+    by_name = {r.name: r for r in rows}
+    assert by_name["dense"].ratio_to_dense == 1.0 and by_name["dense"].same_tokens_as_dense
+    assert by_name["lookup"].same_tokens_as_dense  # speculative decoding is lossless
+    assert by_name["lookup"].perplexity == by_name["dense"].perplexity
+    assert by_name["int8"].resident_mb < by_name["dense"].resident_mb
+    assert any(r.pareto for r in rows)
+    with pytest.raises(ValueError, match="must include 'dense'"):
+        bench_engine(model(), TOK, {"int8": configs["int8"]}, PROMPT, CALIB, eval_ids)
+
+
+def test_pareto_marks_the_rows_nothing_beats():
+    from minisparse.bench.engine import EngineRow, pareto
+
+    rows = pareto(
+        [
+            EngineRow("a", "", 10.0, 1.0, 12.0, 1.0, True),
+            EngineRow("b", "", 20.0, 2.0, 13.0, 1.0, True),
+            EngineRow("c", "", 15.0, 1.5, 14.0, 1.0, True),  # slower and worse than b
+        ]
+    )
+    assert [r.pareto for r in rows] == [True, True, False]

@@ -334,6 +334,8 @@ CLI_CASES: list[tuple[list[str], str]] = [
     (["bench", "quant", "--prompt", " "], "--prompt is empty"),
     (["bench", "quant", "--linear-repeats", "0"], "--linear-repeats must be at least 1"),
     (["bench", "sparse-ffn", "--repeats", "0"], "repeats must be at least 1"),
+    (["bench", "engine", "--repeats", "0"], "--repeats must be at least 1"),
+    (["bench", "engine", "--configs", "relu"], "need chapter 04's fine-tuned ReLU model"),
     (["offload", "--budget", "0"], r"--budget is a share of the FFN bytes in \(0, 1\]"),
     (["offload", "--budget", "1.5"], r"--budget is a share of the FFN bytes in \(0, 1\]"),
     (["offload", "--gpu", "h100"], "Unknown GPU 'h100'; choose one of rtx4090"),

@@ -1,0 +1,165 @@
+"""Benchmark: the engine's configurations side by side, speed against quality (chapter 11).
+
+    minisparse bench engine [--configs NAME ...] [--max-new-tokens 64] [--repeats 3] [--json FILE]
+
+Every configuration of ``minisparse.engine`` in ``CONFIGS`` (plus chapter 04's ReLU model when
+the cache holds it) decodes the same grounded chat prompt greedily; the runs are interleaved
+within each repeat by the one timing harness and reported as tokens/s and as a ratio to the
+dense model of the same run. Beside speed: perplexity on held-out text (the engine's model;
+a speculative engine has its target's perplexity, since it emits the target's tokens), the
+bytes of its parameters and buffers, whether its greedy tokens equal dense decoding, and
+whether it is on the Pareto front (no other configuration is both faster and better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checks import check_count
+from ..engine import EngineConfig, build
+from ..machine import machine
+from ..timing import interleaved_decode
+from .speculative import PROMPTS
+
+__all__ = ["CONFIGS", "EngineRow", "add_arguments", "bench_engine", "pareto", "run"]
+
+CONFIGS: dict[str, EngineConfig] = {
+    "dense": EngineConfig(),
+    "cats": EngineConfig(sparsity="cats"),
+    "int8": EngineConfig(weights="int8"),
+    "int4": EngineConfig(weights="int4"),
+    "lookup": EngineConfig(draft="prompt-lookup"),
+    "int8+lookup": EngineConfig(weights="int8", draft="prompt-lookup"),
+    "cats+lookup": EngineConfig(sparsity="cats", draft="prompt-lookup"),
+}
+RELU_CONFIGS: dict[str, EngineConfig] = {
+    "relu": EngineConfig(sparsity="relu"),
+    "relu+lookup": EngineConfig(sparsity="relu", draft="prompt-lookup"),
+}
+
+
+@dataclass
+class EngineRow:
+    name: str
+    description: str
+    tok_s: float
+    ratio_to_dense: float
+    perplexity: float
+    resident_mb: float
+    same_tokens_as_dense: bool
+    pareto: bool = False
+
+
+def relu_model_cached() -> bool:
+    from ..relufy import result_dir
+
+    return (result_dir(1, "mlp") / "model.safetensors").exists()
+
+
+def pareto(rows: list[EngineRow]) -> list[EngineRow]:
+    """Mark the rows no other row beats on both speed and perplexity."""
+    for r in rows:
+        r.pareto = not any(
+            o.tok_s >= r.tok_s and o.perplexity <= r.perplexity and o is not r
+            and (o.tok_s > r.tok_s or o.perplexity < r.perplexity)
+            for o in rows
+        )  # fmt: skip
+    return rows
+
+
+def bench_engine(
+    base: Any,
+    tokenizer: Any,
+    configs: dict[str, EngineConfig],
+    prompt: Any,
+    calibration: torch.Tensor,
+    eval_ids: torch.Tensor,
+    max_new_tokens: int = 64,
+    repeats: int = 3,
+    progress: bool = True,
+    seq_len: int = 256,
+) -> list[EngineRow]:
+    """One row per configuration, timed side by side (``dense`` must be among them)."""
+    from ..eval import perplexity
+
+    if "dense" not in configs:
+        raise ValueError("configs must include 'dense': every ratio is to the dense model.")
+    engines = {name: build(base, tokenizer, cfg, calibration) for name, cfg in configs.items()}
+    runs = {name: (lambda e=e: e.generate(prompt, max_new_tokens)) for name, e in engines.items()}
+    speeds = interleaved_decode(runs, repeats=repeats, warmup=1, progress=progress)
+    dense = speeds["dense"]
+    rows = []
+    for name, e in engines.items():
+        with torch.inference_mode():
+            ppl = perplexity(e.model, eval_ids, seq_len=seq_len, progress=False)
+        rows.append(
+            EngineRow(
+                name=name,
+                description=e.description,
+                tok_s=speeds[name].tok_s,
+                ratio_to_dense=speeds[name].tok_s / dense.tok_s,
+                perplexity=ppl,
+                resident_mb=e.resident_bytes() / 1e6,
+                same_tokens_as_dense=speeds[name].tokens == dense.tokens,
+            )
+        )
+    return pareto(rows)
+
+
+def format_rows(rows: list[EngineRow]) -> str:
+    head = f"{'name':12s} {'tok/s':>7s} {'x dense':>8s} {'ppl':>7s} {'MB':>6s}  same  Pareto"
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r.name:12s} {r.tok_s:7.1f} {r.ratio_to_dense:8.2f} {r.perplexity:7.2f} "
+            f"{r.resident_mb:6.0f}  {'yes ' if r.same_tokens_as_dense else 'no  '}  "
+            f"{'*' if r.pareto else '':6s}  {r.description}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="as for the other commands")
+    names = [*CONFIGS, *RELU_CONFIGS]
+    parser.add_argument("--configs", nargs="+", default=None, choices=names)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..data import corpus, encode, token_batches
+    from ..loading import load
+
+    check_count(args.max_new_tokens, "--max-new-tokens")
+    check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")
+    every = {**CONFIGS, **RELU_CONFIGS}
+    names = args.configs or [*CONFIGS, *(RELU_CONFIGS if relu_model_cached() else [])]
+    if any(n in RELU_CONFIGS for n in names) and not relu_model_cached():
+        raise ValueError(
+            "The relu configurations need chapter 04's fine-tuned ReLU model; make it with "
+            "`minisparse relufy --stage 1 --steps 200` (about 30 minutes on 2 cores)."
+        )
+    chosen = {"dense": CONFIGS["dense"]} | {n: every[n] for n in names}
+    about = machine()
+    print(about.line(), flush=True)
+    base, tokenizer = load(args.model, device="cpu")
+    calibration = token_batches(tokenizer, corpus("pydoc", "calib"), 256, 4)
+    eval_ids = encode(tokenizer, corpus("pydoc", "eval"))[: 4 * 256]
+    prompt = [{"role": "user", "content": PROMPTS["grounded"][4]}]
+    rows = bench_engine(
+        base, tokenizer, chosen, prompt, calibration, eval_ids, args.max_new_tokens, args.repeats
+    )
+    print(format_rows(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": about.as_dict(), "rows": [asdict(r) for r in rows]}
+        args.json.write_text(json.dumps(payload, indent=1))
+        print(f"wrote {args.json}")
+    return 0
