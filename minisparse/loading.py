@@ -211,6 +211,8 @@ def load_hf_reference(name_or_path: str = DEFAULT_MODEL) -> tuple[torch.nn.Modul
     """transformers' own model for ``name_or_path``: the reference minisparse matches."""
     if name_or_path == DEFAULT_MODEL:
         return load_embedded_reference()
+    if str(name_or_path).endswith(".gguf"):
+        return hf_from_gguf(Path(name_or_path).expanduser())
     return hf_from_pretrained(KNOWN_MODELS.get(name_or_path, name_or_path))
 
 

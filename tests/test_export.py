@@ -163,3 +163,15 @@ def test_export_command_checks_its_arguments_before_loading(argv, message, monke
     monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: pytest.fail("loaded"))
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_gguf_file_is_its_own_reference_for_the_benchmarks(monkeypatch):
+    """``load_hf_reference`` reads a .gguf path (so `bench decode --model m.gguf` works)."""
+    from pathlib import Path
+
+    import minisparse.loading as L
+
+    seen = []
+    monkeypatch.setattr(L, "hf_from_gguf", lambda path: seen.append(path) or ("hf", "tok"))
+    assert L.load_hf_reference("~/models/m.gguf") == ("hf", "tok")
+    assert seen == [Path("~/models/m.gguf").expanduser()]

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -300,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
         settings = {k: v for k, v in vars(args).items() if k not in ("func", "json")}
         payload = {"machine": about.as_dict(), "settings": settings, "rows": rows}
         payload["llama_cpp_tok_s"] = llama_cpp
+        payload["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        payload["command"] = "minisparse " + " ".join(getattr(args, "argv", []))
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"\nwrote {args.json}")
     return 0 if all(r["same_tokens"] for r in rows.values()) else 1
