@@ -85,6 +85,10 @@ def test_cli_argument_errors():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             KB.run(args)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        KB.run(parser.parse_args(["--device", "cpu", "--cuda-graphs"]))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        KB.bench_shape(8, 16, (0.5,), repeats=1, device="cpu", cuda_graphs=True)
 
 
 def test_interleaved_medians_counts_calls():

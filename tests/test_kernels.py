@@ -396,3 +396,21 @@ def test_c_loops_refuse_out_of_range_indices_themselves():
         assert lib.gather_gemv_f32(*gather) == cpu.BAD_INDEX
         assert lib.scatter_gemv_f32(*scatter) == cpu.BAD_INDEX
     assert torch.equal(y, torch.zeros(8))  # refused before writing anything
+
+
+@pytest.mark.parametrize("mode", ["idx", "threshold"])
+def test_split_k_partial_sums_add_up_to_the_reference(monkeypatch, mode):
+    """The column-sparse kernel's split-K path (used on GPUs) on the interpreter: 3 slices."""
+    monkeypatch.setattr(kernels.column_sparse, "split_count", lambda rows, programs, dev: 3)
+    gen = seeded("split-k", mode)
+    W_t, x = randn(100, 45, gen=gen), randn(2, 100, gen=gen)
+    if mode == "idx":
+        idx = torch.randperm(100, generator=gen)[:70]
+        out, ref = (
+            kernels.sparse_input_gemv(W_t, x, idx=idx),
+            sparse_input_gemv_ref(W_t, x, idx=idx),
+        )
+    else:
+        out = kernels.sparse_input_gemv(W_t, x, threshold=0.5)
+        ref = sparse_input_gemv_ref(W_t, x, threshold=0.5)
+    assert rel_err(out, ref) < RTOL

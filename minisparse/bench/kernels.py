@@ -52,6 +52,7 @@ __all__ = [
     "dense_ffn",
     "format_table",
     "gather_progression",
+    "graphed",
     "kernel_backend",
     "main",
     "parse_shape",
@@ -63,6 +64,7 @@ __all__ = [
 SHAPES = ((4096, 11008), (576, 1536))
 SPARSITIES = (0.0, 0.5, 0.7, 0.9, 0.95)
 KERNELS = ("gate/up", "down", "ffn")
+GRAPH_CALLS = 8  # calls per captured CUDA graph (one per rotating active set)
 
 
 @dataclass
@@ -94,6 +96,28 @@ def kernel_backend(device: torch.device) -> dict[str, Callable]:
     }
 
 
+def graphed(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    """``calls`` consecutive calls of ``fn`` captured once as a CUDA graph; returns its replay.
+
+    Replaying a graph launches the recorded kernels without running any Python: its time is
+    the GPU's own time, without the per-call host overhead (argument checks, allocation,
+    Triton's launcher) that eager calls pay. Serving engines decode through graphs for that
+    reason. Each call may use a different active set (``fn`` draws the next one), so the
+    graph still rotates through ``calls`` sets.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(calls):  # warm-up on a side stream: compiles kernels, fills caches
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def dense_ffn(x: Tensor, w: FFNWeights) -> Tensor:
     """The dense gated SiLU FFN the sparse one replaces."""
     return F.linear(F.silu(F.linear(x, w.W_gate)) * F.linear(x, w.W_up), w.W_down)
@@ -111,9 +135,16 @@ def bench_shape(
     seed: int = 0,
     bandwidth_gbs: float | None = None,
     progress: tqdm | None = None,
+    cuda_graphs: bool = False,
 ) -> list[BenchRow]:
-    """Dense vs sparse for one FFN shape at each sparsity; one ``BenchRow`` per kernel and s."""
+    """Dense vs sparse for one FFN shape at each sparsity; one ``BenchRow`` per kernel and s.
+
+    ``cuda_graphs``: time CUDA graph replays of ``GRAPH_CALLS`` calls (per call), the GPU's
+    own time, instead of eager calls from Python.
+    """
     device = torch.device(device)
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError("cuda_graphs needs a CUDA device; drop it on the CPU.")
     for s in sparsities:
         check_sparsity(s)
     unknown = set(kernels) - set(KERNELS)
@@ -154,7 +185,10 @@ def bench_shape(
         for name in kernels:
             dense_fn, sparse_fn, _ = cases[name]
             fns[f"{name} dense"], fns[f"{name} sparse"] = dense_fn, sparse_fn
-        t = interleaved_medians(fns, repeats, warmup, device)
+        calls = GRAPH_CALLS if cuda_graphs else 1
+        if cuda_graphs:
+            fns = {key: graphed(fn, calls) for key, fn in fns.items()}
+        t = {k: v / calls for k, v in interleaved_medians(fns, repeats, warmup, device).items()}
         for name in kernels:
             n_mats = cases[name][2]
             dense_s, sparse_s = t[f"{name} dense"], t[f"{name} sparse"]
@@ -189,6 +223,7 @@ def bench_sparse_ffn(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     show_progress: bool = True,
+    cuda_graphs: bool = False,
 ) -> tuple[list[BenchRow], float]:
     """Run ``bench_shape`` for every shape; return the rows and the copy bandwidth (GB/s)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -204,8 +239,9 @@ def bench_sparse_ffn(
     ) as bar:
         for dim, ffn in shapes:
             rows += bench_shape(
-                dim, ffn, sparsities, kernels, repeats, warmup, device, dtype, seed, bandwidth, bar
-            )
+                dim, ffn, sparsities, kernels, repeats, warmup, device, dtype, seed, bandwidth, bar,
+                cuda_graphs,
+            )  # fmt: skip
     return rows, bandwidth
 
 
@@ -330,6 +366,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weight dtype (the CPU fast path is float32; others use the torch path)",
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch + OpenMP)")
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="CUDA only: time graph replays (GPU time, no per-call host overhead)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
@@ -343,19 +384,23 @@ def run(args: argparse.Namespace) -> int:
             "--device cuda was asked for but no CUDA device is visible; drop --device to "
             "benchmark the CPU fast path, or run on a machine with a GPU."
         )
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cuda_graphs and device != "cuda":
+        raise RuntimeError("--cuda-graphs needs a CUDA device; drop it to benchmark the CPU.")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     about = machine()
     print(about.line(), flush=True)
     rows, bandwidth = bench_sparse_ffn(
         tuple(args.shapes), tuple(args.sparsity), tuple(args.kernels), args.repeats, args.warmup,
-        args.device, getattr(torch, args.dtype), args.seed,
+        args.device, getattr(torch, args.dtype), args.seed, cuda_graphs=args.cuda_graphs,
     )  # fmt: skip
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"device: {device}, threads: {torch.get_num_threads()}, dtype: {args.dtype}")
+    timing = "CUDA graph replays" if args.cuda_graphs else "eager calls"
+    print(f"device: {device}, threads: {torch.get_num_threads()}, dtype: {args.dtype}, {timing}")
     print(format_table(rows, bandwidth))
     if args.json:
         payload = {"machine": about.as_dict(), "copy_bandwidth_gbs": bandwidth}
+        payload["dtype"], payload["timing"] = args.dtype, timing
         payload["rows"] = [asdict(r) for r in rows]
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

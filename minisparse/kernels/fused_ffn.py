@@ -40,7 +40,9 @@ from .validate import check_ffn
 
 __all__ = ["BLOCK_D", "BLOCK_N", "sparse_ffn", "sparse_ffn_unfused"]
 
-BLOCK_N = 16
+# Tuned on an H200 (fp16 CUDA graph replays): 64 neurons per program quarter the atomic adds
+# of 16 and were fastest among BLOCK_N 16/32/64 x BLOCK_D 64/128/256.
+BLOCK_N = 64
 BLOCK_D = 128
 
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 __all__ = [
     "ACTIVATIONS",
+    "capturing",
     "check_activation",
     "check_ffn",
     "check_float32_cpu",
@@ -87,6 +88,17 @@ def is_index_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def capturing(t: Tensor) -> bool:
+    """True while ``t``'s CUDA stream is being captured into a CUDA graph.
+
+    A captured graph replays with whatever the index tensor holds at replay time, so a check
+    of the values during capture would prove nothing (and reading them back to the host is
+    not allowed while capturing): the range check is skipped there, and the code that fills
+    the tensor between replays is responsible for it.
+    """
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_indices(idx: Tensor, size: int, what: str) -> None:
     """idx is a 1-D integer tensor with values in [0, size)."""
     check_tensor("idx", idx)
@@ -95,7 +107,7 @@ def check_indices(idx: Tensor, size: int, what: str) -> None:
             f"idx must be a 1-D integer tensor of {what} indices, got dtype {idx.dtype} and "
             f"shape {tuple(idx.shape)}; use mask.nonzero().flatten() to turn a mask into indices."
         )
-    if idx.numel():
+    if idx.numel() and not capturing(idx):
         low, high = (int(v) for v in torch.aminmax(idx.to(torch.int64)))
         if low < 0 or high >= size:
             raise ValueError(
