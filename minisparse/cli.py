@@ -7,6 +7,7 @@ minisparse bench decode                  minisparse vs transformers decode speed
 minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
 minisparse relufy --stage 1 --steps 200  ReLUfy and fine-tune by distillation (chapter 04)
 minisparse predictors                    train sparsity predictors and save them (chapter 06)
+minisparse prepare                       make every long artifact above in one go, with progress
 minisparse offload --budget 0.3          hot/cold neuron placement and modelled speed (chapter 08)
 minisparse export OUT [--format hf|gguf]  a transformers checkpoint or a llama.cpp GGUF file
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import export, offload_report
+from . import export, offload_report, prepare
 from .generate import check_messages, check_sampling, check_seed
 from .loading import ModelLoadError, resolve_device
 from .model import check_count
@@ -327,6 +328,14 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--out", default=None, help="safetensors file (default: in the cache)")
     p.add_argument("--report", default=None, help="write the held-out scores as JSON here")
     p.set_defaults(func=cmd_predictors)
+
+    p = sub.add_parser(
+        "prepare",
+        help="make the long artifacts (ReLU model, predictors) the later chapters load",
+        parents=[common],
+    )
+    prepare.add_arguments(p)
+    p.set_defaults(func=prepare.run)
 
     p = sub.add_parser(
         "offload", help="hot/cold neuron placement, load and modelled speed", parents=[common]
