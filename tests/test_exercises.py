@@ -7,18 +7,40 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minisparse.exercises import EXERCISES, check
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
 #: exercise -> the function its solution file defines
 FUNCTIONS = {
+    "rms_norm": "rms_norm",
+    "sampling_probs": "sampling_probs",
     "rope": "apply_rope",
+    "gqa_attention": "gqa_attention",
     "kv_bytes": "kv_bytes",
+    "sink_visible": "sink_visible",
+    "paged_slots": "paged_slots",
     "teal_threshold": "threshold",
-    "quantize_groups": "quantize_groups",
-    "verify_greedy": "verify",
+    "top_share": "top_share",
+    "distillation_loss": "distillation_loss",
+    "lr_schedule": "lr_schedule",
+    "top_mask": "top_mask",
+    "drop_heads": "drop_heads",
+    "recall_precision": "recall_precision",
+    "recall_cutoff": "recall_cutoff",
+    "gather_gemv": "gather_gemv",
+    "sparse_input_gemv": "sparse_input_gemv",
+    "sparse_ffn": "sparse_ffn",
     "fast_load": "fast_load",
+    "top_overlap": "top_overlap",
+    "quantize_groups": "quantize_groups",
+    "smoothquant_scales": "smoothquant_scales",
+    "verify_greedy": "verify",
+    "residual": "residual",
+    "speculative_speedup": "speculative_speedup",
+    "pareto": "pareto",
+    "resident_bytes": "resident_bytes",
 }
 
 
@@ -40,15 +62,101 @@ def test_the_worked_solution_passes(name, seed, capsys):
     assert "correct" in capsys.readouterr().out
 
 
+def no_t_squared(student, teacher, tokens, temperature, kd_weight):
+    """Distillation without the T^2 factor on the KL term."""
+    vocab = student.shape[-1]
+    kl = F.kl_div(
+        torch.log_softmax(student.reshape(-1, vocab) / temperature, -1),
+        torch.log_softmax(teacher.reshape(-1, vocab) / temperature, -1),
+        log_target=True,
+        reduction="batchmean",
+    )
+    ce = F.cross_entropy(student[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    return kd_weight * kl + (1 - kd_weight) * ce
+
+
+def as_mask(W, x, idx):
+    """Rows chosen by a boolean mask: sorted, and a repeated index counted once."""
+    mask = torch.zeros(W.shape[0], dtype=torch.bool)
+    mask[idx] = True
+    return x @ W[mask].T
+
+
+def jaccard(a, b, share):
+    """The overlap divided by the union of the two top sets instead of by k."""
+    k = max(1, round(share * a.numel()))
+    top_a = set(a.argsort(descending=True, stable=True)[:k].tolist())
+    top_b = set(b.argsort(descending=True, stable=True)[:k].tolist())
+    return len(top_a & top_b) / len(top_a | top_b)
+
+
+def activation_of_product(x, W_gate, W_up, W_down_t, idx, act):
+    h = (x @ W_gate[idx].T) * (x @ W_up[idx].T)
+    activation = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}[act]
+    return activation(h) @ W_down_t[idx]
+
+
+def tiled_heads(q, k, v):
+    """K/V heads tiled (head h reads K/V head h % G) instead of repeated in place."""
+    group = q.shape[1] // k.shape[1]
+    return solution("gqa_attention")(q, k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1))
+
+
+def window_one_too_long(q_pos, k_pos, n_sink, window):
+    p, j = q_pos[:, None], k_pos[None, :]
+    return (j <= p) & ((j < n_sink) | (j >= p - window))
+
+
+def warmup_from_zero(step, lr, warmup, steps, min_lr_ratio):
+    if step < warmup:
+        return lr * step / warmup
+    return solution("lr_schedule")(step, lr, warmup, steps, min_lr_ratio)
+
+
+def equal_points_beat_each_other(points):
+    return [not any(o[0] >= r[0] and o[1] <= r[1] for o in points if o is not r) for r in points]
+
+
 #: a plausible mistake for each exercise
 WRONG = {
+    "rms_norm": lambda x, w, eps: (
+        (x - x.mean(-1, keepdim=True))
+        / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + eps)
+        * w
+    ),  # LayerNorm: the mean subtracted
+    "sampling_probs": lambda logits, t, k: torch.softmax(logits * t, -1),  # times T, no top-k
     "rope": lambda x, cos, sin: x * cos + torch.roll(x, 1, -1) * sin,  # neighbours, not halves
+    "gqa_attention": tiled_heads,
     "kv_bytes": lambda layers, h, d, s, b: layers * h * d * s * b * 2,  # forgot the values
+    "sink_visible": window_one_too_long,
+    "paged_slots": lambda table, b, pos: torch.tensor(table)[pos // b] + pos % b,  # no * b
     "teal_threshold": lambda x, s: float(torch.quantile(x.double(), s)),  # signed, not |x|
-    "quantize_groups": lambda x, bits, g: solution("quantize_groups")(x, bits, x.shape[1]),
-    "verify_greedy": lambda logits, drafts: (len(drafts), int(logits[-1].argmax())),
+    "top_share": lambda v, s: float(v[: round(s * len(v))].sum() / v.sum()),  # not sorted
+    "distillation_loss": no_t_squared,
+    "lr_schedule": warmup_from_zero,
+    "top_mask": lambda scores, s: solution("top_mask")(scores, 1 - s),  # kept the dropped share
+    "drop_heads": lambda x, keep, h: (x.reshape(*x.shape[:-1], -1, h) * keep[..., None, :]).reshape(
+        x.shape
+    ),  # heads interleaved, not consecutive
+    "recall_precision": lambda pred, actual: solution("recall_precision")(pred, actual)[::-1],
+    "recall_cutoff": lambda logits, active, r: float(torch.quantile(logits.flatten(), 1 - r)),
+    "gather_gemv": as_mask,
+    "sparse_input_gemv": lambda W_t, x, t: (x * (x.abs() > t)) @ W_t,  # 0 x NaN = NaN
+    "sparse_ffn": activation_of_product,
     "fast_load": lambda hot, f: sum(float(h.float().mean()) for h in hot) / len(hot),
+    "top_overlap": jaccard,
+    "quantize_groups": lambda x, bits, g: solution("quantize_groups")(x, bits, x.shape[1]),
+    "smoothquant_scales": lambda x, ws, a: solution("smoothquant_scales")(x, ws, 1 - a),
+    "verify_greedy": lambda logits, drafts: (len(drafts), int(logits[-1].argmax())),
+    "residual": lambda p, q: (p - q).abs() / (p - q).abs().sum().clamp_min(1e-30),
+    "speculative_speedup": lambda a, g, c, v: sum(a**j for j in range(1, g + 1)) / (g * c + v),
+    "pareto": equal_points_beat_each_other,
+    "resident_bytes": lambda m: sum(p.numel() * p.element_size() for p in m.parameters()),
 }
+
+
+def test_every_exercise_has_a_wrong_answer():
+    assert set(WRONG) == set(EXERCISES)
 
 
 @pytest.mark.parametrize("name", sorted(WRONG))
@@ -59,5 +167,5 @@ def test_a_wrong_answer_fails_with_a_hint(name, capsys):
 
 
 def test_an_unknown_exercise_is_refused():
-    with pytest.raises(ValueError, match="choose one of rope"):
+    with pytest.raises(ValueError, match="Unknown exercise 'softmax'; choose one of rms_norm"):
         check("softmax", lambda x: x)
