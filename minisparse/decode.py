@@ -17,9 +17,10 @@ waking its threads again: milliseconds per token before any weight is read.
 in C (``minisparse/kernels/decode_step.c``), each call one OpenMP parallel region whose threads
 split the rows of every matrix between them. Scratch memory is allocated once per decoder.
 Projections may be float32 or weight-only int8 (chapter 09's ``Int8Linear``: the codes are
-widened to floats in registers, a quarter of the bytes). ``Decoder.forward`` takes up to
-``MAX_TOKENS`` tokens at once and reads each weight once for all of them: the verification pass
-of speculative decoding (chapter 10) costs little more than one step.
+widened to floats in registers, a quarter of the bytes), and so may a ``SparseMLP``'s rows.
+``Decoder.forward`` takes up to ``MAX_TOKENS`` tokens at once and reads each weight once for
+all of them: the verification pass of speculative decoding (chapter 10) costs little more than
+one step.
 
 Anything the C step does not know runs as torch, block half by block half, so the decoder
 computes exactly what ``model(tokens, input_pos, cache)`` computes for every model the course

@@ -1,7 +1,8 @@
 """The C decode step's view of a model: one ctypes description per block half.
 
 ``minisparse/kernels/decode_step.c`` reads plain structs: a matrix is a pointer with its row
-count and element type (float32, or int8 codes with one float32 scale per row), an activation
+count and element type (float32, or int8 codes with one float32 scale per row; per column for
+a sparse MLP's transposed down projection, whose scales are per output), an activation
 slot is a kind (identity, ReLU, magnitude threshold) and a threshold, and a block half is the
 pointers of its norm, projections and biases. This module builds those structs from the torch
 modules the course uses (``Linear``, ``Int8Linear``, ``MLP``, ``SparseMLP`` with a threshold or
@@ -98,7 +99,8 @@ class SparseMlpLayer(ctypes.Structure):
         ("ffn", _i64),
         ("rank", _i64),
         ("eps", _flt),
-        *[(n, ctypes.c_void_p) for n in ("norm", "wg", "wu", "wd_t")],
+        ("norm", ctypes.c_void_p),
+        *[(n, Mat) for n in ("wg", "wu", "wd_t")],  # wd_t's int8 scales: one per output
         ("act", _i32),
         ("input", Slot),
         ("threshold", _flt),
@@ -292,16 +294,31 @@ def predictor_of(mlp: SparseMLP) -> nn.Module | None:
     return predictor
 
 
+def sparse_weights(mlp: SparseMLP) -> list[Mat] | None:
+    """The C views of a SparseMLP's gate, up and down_t: float32 rows, or int8 codes with
+    float32 scales (per neuron for gate and up, per output channel for down_t); None when the
+    buffers are not in a layout the C step reads."""
+    if not mlp.int8:
+        weights = (mlp.W_gate, mlp.W_up, mlp.W_down_t)
+        return [Mat(w.data_ptr(), None) for w in weights] if plain_f32(*weights) else None
+    codes, scales = (mlp.Q_gate, mlp.Q_up, mlp.Q_down_t), (mlp.s_gate, mlp.s_up, mlp.s_down)
+    if not all(
+        q.device.type == "cpu" and q.dtype == torch.int8 and q.is_contiguous() for q in codes
+    ) or not plain_f32(*scales):
+        return None
+    return [Mat(q.data_ptr(), s.data_ptr()) for q, s in zip(codes, scales, strict=True)]
+
+
 def sparse_mlp_layer(mlp: SparseMLP, norm: RMSNorm, slot: Slot) -> SparseMlpLayer | None:
     act = activation_of(mlp.act)
-    if act is None or act[1] >= 0 or not plain_f32(mlp.W_gate, mlp.W_up, mlp.W_down_t):
+    weights = sparse_weights(mlp)
+    if act is None or act[1] >= 0 or weights is None:
         return None
-    dim, ffn = mlp.W_down_t.shape[1], mlp.W_down_t.shape[0]
+    ffn, dim = (mlp.Q_down_t if mlp.int8 else mlp.W_down_t).shape
     common = (dim, ffn)
     if mlp.threshold is not None:
         return SparseMlpLayer(
-            *common, 0, norm.eps, _ptr(norm.weight),
-            _ptr(mlp.W_gate), _ptr(mlp.W_up), _ptr(mlp.W_down_t),
+            *common, 0, norm.eps, _ptr(norm.weight), *weights,
             act[0], slot, mlp.threshold, None, None, None, None, 0, 0.0,
         )  # fmt: skip
     predictor = predictor_of(mlp)
@@ -311,8 +328,7 @@ def sparse_mlp_layer(mlp: SparseMLP, norm: RMSNorm, slot: Slot) -> SparseMlpLaye
     if not plain_f32(down.weight, down.bias, up.weight, up.bias) or up.bias is None:
         return None
     return SparseMlpLayer(
-        *common, predictor.rank, norm.eps, _ptr(norm.weight),
-        _ptr(mlp.W_gate), _ptr(mlp.W_up), _ptr(mlp.W_down_t),
+        *common, predictor.rank, norm.eps, _ptr(norm.weight), *weights,
         act[0], slot, 0.0, _ptr(down.weight), _ptr(down.bias), _ptr(up.weight), _ptr(up.bias),
         int(predictor.kind == "mlp"), float(predictor.cutoff),
     )  # fmt: skip

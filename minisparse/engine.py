@@ -14,9 +14,13 @@ calling each chapter's own code, in the order the bytes flow:
 5. how many bits each weight has: chapter 09's weight-only int8 / int4 layers;
 6. how many tokens one pass yields: chapter 10's speculative decoding with a draft.
 
-What does not combine is refused with the reason. Today the sparse kernels read float32
-weights, so sparsity and low-bit weights exclude each other (a sparse int8 GEMV would make them
-multiply); a draft cannot be the target itself (an int8 draft for an int8 target).
+What does not combine is refused with the reason. Sparsity and int8 weights multiply: the model
+is quantized first (chapter 09, every linear layer), then its int8 MLPs become sparse int8
+MLPs that read the int8 codes of the active neurons only (``minisparse.kernels.cpu_int8``):
+(1 - s) / 4 of the float32 bytes of a sparse matrix. Sparse int4 weights are not done (there
+is no sparse int4 kernel), so int4 and sparsity are refused; so is the hot/cold split of
+chapter 08 with low-bit weights (it places float32 neurons); a draft cannot be the target
+itself (an int8 draft for an int8 target).
 
 ``Engine.generate`` decodes with the result; for lossless configurations (speculative
 decoding, the ReLU model with exact masks) its greedy tokens equal plain greedy decoding of
@@ -79,10 +83,16 @@ class EngineConfig:
         for name, used in needs_sparsity.items():
             if used and not sparse:
                 raise ValueError(f"{name} needs active neurons: set sparsity='relu' or 'cats'.")
-        if sparse and self.weights != "fp32":
+        if sparse and self.weights == "int4":
             raise ValueError(
-                "The sparse kernels read float32 weights: sparsity and weights="
-                f"{self.weights!r} do not combine yet. Choose weights='fp32' or sparsity='none'."
+                "Sparse int4 weights are not done (there is no sparse int4 kernel): sparsity "
+                "and weights='int4' do not combine. Choose weights='int8' (sparse int8 kernels), "
+                "weights='fp32', or sparsity='none'."
+            )
+        if self.offload_budget is not None and self.weights != "fp32":
+            raise ValueError(
+                "The hot/cold split (offload_budget) places float32 neurons: it does not combine "
+                f"with weights={self.weights!r}. Choose weights='fp32' or offload_budget=None."
             )
         if self.draft == "int8" and self.weights == "int8":
             raise ValueError("An int8 draft of an int8 model is the model itself; pick another.")
@@ -141,8 +151,10 @@ def build(
 
         model, _ = load_relufied(base, 1)
         parts.append("ReLU model (ch. 04)")
+    select = load_selector(model, config.predictors)  # predictors are made for float weights
+    if config.weights == "int8" and config.sparsity != "none":
+        model = low_bit(model, config.weights)  # first: the sparse MLPs take int8 projections
     thresholds = active_thresholds(model, config, calibration)
-    select = load_selector(model, config.predictors)
     placement = None
     if config.offload_budget is not None:
         placement = place_neurons(model, thresholds, config.offload_budget, calibration)
@@ -150,11 +162,13 @@ def build(
         parts.append(f"hot/cold split at {config.offload_budget:.0%} of FFN bytes (ch. 08)")
     elif thresholds is not None:
         model = sparse_model(model, thresholds, select, config.sparse_kernels)
-        kind = "sparse kernels" if config.sparse_kernels else "masked dense MLPs"
+        kernels = "sparse int8 kernels" if config.weights == "int8" else "sparse kernels"
+        kind = kernels if config.sparse_kernels else "masked dense MLPs"
         finder = "predictors" if select else "thresholds"
         parts.append(f"{kind}, neurons from {finder} (ch. 0{6 if select else 3}, 07)")
     if config.weights != "fp32":
-        model = low_bit(model, config.weights)
+        if config.sparsity == "none":
+            model = low_bit(model, config.weights)
         parts.append(f"{config.weights} weights (ch. 09)")
     draft = make_draft(model, config.draft, calibration)
     if draft is not None:

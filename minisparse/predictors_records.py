@@ -75,7 +75,8 @@ def prediction_target(
             base,
             found[site],
             f"the embedded SiLU model; active = |{what}| above chapter 03's {sparsity:.0%} "
-            f"thresholds (no fine-tuned ReLU model in {result_dir(stage, 'mlp').parent})",
+            f"thresholds (no fine-tuned ReLU model in {result_dir(stage, 'mlp').parent}; "
+            "make it once with `minisparse prepare`, about 30 minutes)",
         )
     steps = info.get("config", {}).get("steps", "?")
     zeros = info.get("finetuned", {}).get("zeros_mlp_act", float("nan"))

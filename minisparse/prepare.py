@@ -71,7 +71,7 @@ ARTIFACTS = (
         "ReLU model's predictors (chapter 06)",
         _relu_predictors,
         ("predictors",),
-        4.0,
+        3.0,
         "chapter 11, minisparse bench engine",
     ),
 )

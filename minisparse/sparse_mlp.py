@@ -26,6 +26,12 @@ The backend follows the weights: the Triton kernels on CUDA, the C fast path
 (``minisparse.kernels.cpu``) elsewhere. The down projection is stored transposed
 (``W_down_t``, [ffn, dim]) so each neuron's down weights are contiguous; on the CPU the three
 matrices are placed in huge pages.
+
+An MLP whose projections are chapter 09's ``Int8Linear`` (a model from
+``quantize_model(bits=8, packed=True)``, or ``sparse_mlp_weights.int8_mlp``) becomes a sparse int8
+MLP: the same paths over int8 codes with float32 scales (``minisparse.kernels.cpu_int8``), so
+that sparsity and quantization multiply, (1 - s) / 4 of the float32 bytes of the sparse
+matrices. Both layouts and their checkpoint names are in ``minisparse.sparse_mlp_weights``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .kernels.cpu_int8 import gather_gemv_i8, sparse_ffn_i8, sparse_input_gemv_i8
 from .model import MLP, Transformer
 from .sparse_mlp_masks import (
     MaskedMLP,
@@ -48,6 +55,13 @@ from .sparse_mlp_masks import (
     masked_mlps,
     per_layer_or_none,
     same_masks,
+)
+from .sparse_mlp_weights import (
+    INT8_BUFFERS,
+    checkpoint_state,
+    checkpoint_targets,
+    is_int8_mlp,
+    sparse_buffers,
 )
 
 __all__ = [
@@ -139,6 +153,12 @@ class SparseMLP(nn.Module):
     Its ``state_dict`` is the dense MLP's (``gate_proj.weight``, ``up_proj.weight``,
     ``down_proj.weight`` [dim, ffn]): a sparsified model saves and loads the same checkpoints
     as the dense one.
+
+    Given an MLP of ``Int8Linear`` projections it keeps their int8 codes and scales instead
+    (``int8`` is True; buffers ``Q_gate``, ``s_gate``, ``Q_up``, ``s_up``, ``Q_down_t``,
+    ``s_down``) and runs the int8 kernels, on the CPU (torch elsewhere; there are no Triton int8
+    kernels); its ``state_dict`` is then the int8 MLP's (``gate_proj.q``, ``gate_proj.scale``,
+    ...).
     """
 
     def __init__(
@@ -165,15 +185,20 @@ class SparseMLP(nn.Module):
                 "SparseMLP masks act(gate x) itself and cannot keep a module at the down "
                 "projection's input; take it out first (minisparse.sparsity.remove_thresholds)."
             )
-        weight = mlp.gate_proj.weight
+        self.int8 = is_int8_mlp(mlp)
         self.backend = backend
-        ops = kernel_ops(backend, weight.device)
+        device = (mlp.gate_proj.q if self.int8 else mlp.gate_proj.weight).device
+        if self.int8 and resolve_backend(backend, device) == "triton":
+            raise ValueError(
+                "There are no Triton kernels for int8 weights: use backend='cpu' or 'auto' (on "
+                "a GPU, 'auto' runs the int8 paths through torch)."
+            )
+        ops = kernel_ops(backend, device)
         place = ops.hugepage_copy if hasattr(ops, "hugepage_copy") else torch.clone
         with torch.no_grad():
-            self.register_buffer("W_gate", place(weight.detach()), persistent=False)
-            self.register_buffer("W_up", place(mlp.up_proj.weight.detach()), persistent=False)
-            down_t = mlp.down_proj.weight.detach().T.contiguous()
-            self.register_buffer("W_down_t", place(down_t), persistent=False)
+            for name, value in sparse_buffers(mlp).items():
+                value = place(value) if value.dim() == 2 else value.clone()
+                self.register_buffer(name, value, persistent=False)
         self.act = mlp.act
         self.act_name = activation_name(mlp.act)
         self.threshold = threshold
@@ -184,19 +209,20 @@ class SparseMLP(nn.Module):
     @property
     def ops(self) -> ModuleType:
         """The kernels for this module's backend and the device its weights are on now."""
-        return kernel_ops(self.backend, self.W_gate.device)
+        return kernel_ops(self.backend, self._gate.device)
+
+    @property
+    def _gate(self) -> Tensor:
+        return self._buffers["Q_gate" if self.int8 else "W_gate"]
 
     @property
     def ffn_dim(self) -> int:
-        return self.W_gate.shape[0]
+        return self._gate.shape[0]
 
     def dense_state(self) -> dict[str, Tensor]:
-        """The weights in the dense MLP's names and layouts (down_proj.weight is [dim, ffn])."""
-        return {
-            "gate_proj.weight": self.W_gate,
-            "up_proj.weight": self.W_up,
-            "down_proj.weight": self.W_down_t.T.contiguous(),
-        }
+        """The weights in the dense MLP's names and layouts (down_proj.weight is [dim, ffn]);
+        for int8 weights the int8 MLP's (``Int8Linear``'s q and scale of each projection)."""
+        return checkpoint_state(self)
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
@@ -215,11 +241,7 @@ class SparseMLP(nn.Module):
         error_msgs: list[str],
     ) -> None:
         """Load the dense MLP's keys into the sparse layout (down_proj.weight transposed)."""
-        targets = {
-            "gate_proj.weight": self.W_gate,
-            "up_proj.weight": self.W_up,
-            "down_proj.weight": self.W_down_t.T,  # a view: copying into it fills W_down_t
-        }
+        targets = checkpoint_targets(self)
         for name, target in targets.items():
             key = prefix + name
             if key not in state_dict:
@@ -254,27 +276,50 @@ class SparseMLP(nn.Module):
             y = self._forward_select(flat)
         return y.reshape(*shape[:-1], y.shape[-1])
 
+    def _rows(self, name: str, x: Tensor, idx: Tensor) -> Tensor:
+        """x @ W_name[idx].T for name "gate" or "up": [tokens, n]."""
+        if self.int8:
+            return gather_gemv_i8(self._buffers[f"Q_{name}"], self._buffers[f"s_{name}"], x, idx)
+        return self.ops.gather_gemv(self._buffers[f"W_{name}"], x, idx)
+
+    def _down(self, h: Tensor, idx: Tensor) -> Tensor:
+        """The down projection of h [tokens, ffn], reading the rows idx of W_down_t."""
+        if self.int8:
+            return sparse_input_gemv_i8(self.Q_down_t, self.s_down, h, idx=idx)
+        return self.ops.sparse_input_gemv(self.W_down_t, h, idx=idx)
+
     def _forward_threshold(self, x: Tensor) -> Tensor:
-        a = self.act(x @ self.W_gate.T)  # dense gate: it decides which neurons run
+        if self.int8:  # dense gate: it decides which neurons run
+            a = self.act(self._rows("gate", x, _all_rows(self.ffn_dim, x.device)))
+        else:
+            a = self.act(x @ self.W_gate.T)
         keep = a.abs() > self.threshold
         idx = keep.any(0).nonzero().flatten()  # union over the tokens
         self.last_density, self.last_keep = idx.numel() / self.ffn_dim, keep
-        up = self.ops.gather_gemv(self.W_up, x, idx)  # [tokens, n]
+        up = self._rows("up", x, idx)  # [tokens, n]
         h = torch.zeros_like(a)
         h[:, idx] = torch.where(keep[:, idx], a[:, idx] * up, torch.zeros_like(up))
-        return self.ops.sparse_input_gemv(self.W_down_t, h, idx=idx)
+        return self._down(h, idx)
 
     def _forward_select(self, x: Tensor) -> Tensor:
         idx = self.select(x).to(device=x.device, dtype=torch.int64)
         self.last_density = idx.numel() / self.ffn_dim
         self.last_keep = torch.zeros(x.shape[0], self.ffn_dim, dtype=torch.bool, device=x.device)
         self.last_keep[:, idx] = True
+        if self.act_name is not None and self.int8:
+            weights = [self._buffers[name] for name in INT8_BUFFERS]
+            return sparse_ffn_i8(x, *weights, idx, self.act_name)
         if self.act_name is not None:
             return self.ops.sparse_ffn(x, self.W_gate, self.W_up, self.W_down_t, idx, self.act_name)
-        gate = self.act(self.ops.gather_gemv(self.W_gate, x, idx))
+        gate = self.act(self._rows("gate", x, idx))
         h = torch.zeros(x.shape[0], self.ffn_dim, dtype=x.dtype, device=x.device)
-        h[:, idx] = gate * self.ops.gather_gemv(self.W_up, x, idx)
-        return self.ops.sparse_input_gemv(self.W_down_t, h, idx=idx)
+        h[:, idx] = gate * self._rows("up", x, idx)
+        return self._down(h, idx)
+
+
+@functools.lru_cache(maxsize=16)
+def _all_rows(n: int, device: torch.device) -> Tensor:
+    return torch.arange(n, device=device)
 
 
 def sparse_mlps(

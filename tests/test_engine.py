@@ -7,10 +7,14 @@ import torch
 
 from conftest import IdTokenizer, tiny_model
 from minisparse import engine as E
+from minisparse.decode import Decoder
 from minisparse.generate import generate
 from minisparse.hybrid import HotColdMLP
-from minisparse.quant import quantize_model
-from minisparse.sparse_mlp import MaskedMLP, SparseMLP
+from minisparse.kernels.cpu import fast_path_available
+from minisparse.kvcache import make_kv_cache
+from minisparse.quant import Int8Linear, quantize_model
+from minisparse.sparse_mlp import MaskedMLP, SparseMLP, using_mlps
+from minisparse.sparse_mlp_weights import dequantized_mlp
 
 TOK = IdTokenizer()
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 2, 60, 9, 5, 17]  # repeats: prompt lookup finds matches
@@ -60,6 +64,69 @@ def test_sparse_kernels_and_the_hot_cold_split_compute_the_masked_model():
     assert not isinstance(m.layers[0].mlp, SparseMLP)  # the base model is left alone
 
 
+@torch.inference_mode()
+def test_cats_with_int8_weights_runs_sparse_int8_mlps_on_the_int8_models_codes():
+    m = tiny_model(seed=7, std=0.3)  # larger weights: the greedy tokens vary
+    engine = E.build(m, TOK, E.EngineConfig(sparsity="cats", weights="int8"), CALIB)
+    int8 = quantize_model(m, bits=8, packed=True, progress=False)
+    assert "sparse int8 kernels" in engine.description and "int8 weights" in engine.description
+    assert isinstance(engine.model.layers[0].attn.q_proj, Int8Linear)  # the rest as chapter 09
+    for layer, ref in zip(engine.model.layers, int8.layers, strict=True):
+        assert isinstance(layer.mlp, SparseMLP) and layer.mlp.int8
+        assert torch.equal(layer.mlp.Q_up, ref.mlp.up_proj.q)  # the int8 model's own codes
+    tokens = torch.tensor([PROMPT[:6]])
+    out = engine.model(tokens)
+    masked = [
+        MaskedMLP(dequantized_mlp(ref.mlp), keep=layer.mlp.last_keep)
+        for layer, ref in zip(engine.model.layers, int8.layers, strict=True)
+    ]
+    with using_mlps(int8, masked):
+        reference = int8(tokens)
+    assert (out - reference).abs().max() <= 1e-4 * reference.abs().max()
+    assert (out - int8(tokens)).abs().max() > 1e-3  # the masks matter
+    ids = engine.generate(PROMPT, 10)
+    assert len(ids) == 10 and len(set(ids)) > 1
+    assert ids == generate(engine.model, TOK, PROMPT, 10, compiled=False)  # every step as torch
+    fp32 = E.build(m, TOK, E.EngineConfig(sparsity="cats"), CALIB)
+    assert engine.resident_bytes() < 0.5 * fp32.resident_bytes()
+
+
+@pytest.mark.skipif(not fast_path_available(), reason="no C compiler: every half runs as torch")
+@torch.inference_mode()
+def test_the_compiled_decode_step_runs_sparse_int8_mlps_like_torch():
+    """The C step's sparse MLP reads int8 codes too: same logits as its MLP halves in torch."""
+    m = tiny_model(seed=7, std=0.3)
+    model = E.build(m, TOK, E.EngineConfig(sparsity="cats", weights="int8"), CALIB).model
+    tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
+    caches = [make_kv_cache("static", model.config, 16) for _ in range(2)]
+    for cache in caches:
+        model(tokens[:, :6], torch.arange(6), cache)
+    compiled, torch_mlps = Decoder(model, caches[0]), Decoder(model, caches[1])
+    assert all(line.endswith(": C") for line in compiled.plan())
+    for i in range(len(model.layers)):  # the MLP halves of the second one as torch modules
+        torch_mlps._refs[2 * i + 1] = None
+    for pos in range(6, 12):
+        got = compiled.step(int(tokens[0, pos]), pos).clone()
+        densities = [layer.mlp.last_density for layer in model.layers]
+        ref = torch_mlps.step(int(tokens[0, pos]), pos)
+        assert densities == [layer.mlp.last_density for layer in model.layers]  # same neurons
+        assert all(d < 1 for d in densities)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_relu_sparsity_with_int8_weights_builds(monkeypatch):
+    """The ReLU model (chapter 04) is replaced by the tiny model: thresholds 0, int8 MLPs."""
+    from minisparse import relufy
+
+    m = tiny_model(seed=3, std=0.3, hidden_act="relu")
+    monkeypatch.setattr(relufy, "load_relufied", lambda base, stage: (m, None))
+    engine = E.build(m, TOK, E.EngineConfig(sparsity="relu", weights="int8"))
+    mlps = [layer.mlp for layer in engine.model.layers]
+    assert all(isinstance(p, SparseMLP) and p.int8 and p.threshold == 0.0 for p in mlps)
+    assert len(engine.generate(PROMPT, 6)) == 6
+    assert all(p.last_density < 1 for p in mlps)  # ReLU zeros are skipped
+
+
 def test_int4_weights_shrink_the_resident_bytes():
     m = tiny_model(seed=1, dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, head_dim=16)
     dense = E.build(m, TOK, E.EngineConfig())
@@ -79,7 +146,12 @@ def test_int4_weights_shrink_the_resident_bytes():
         ({"predictors": "p.safetensors"}, "predictors needs active neurons"),
         ({"offload_budget": 0.3}, "offload_budget needs active neurons"),
         ({"sparsity": "cats", "offload_budget": 1.5}, r"offload_budget is a share in \(0, 1\]"),
-        ({"sparsity": "cats", "weights": "int8"}, "do not combine yet"),
+        ({"sparsity": "cats", "weights": "int4"}, "int4 weights are not done"),
+        ({"sparsity": "relu", "weights": "int4"}, "int4 weights are not done"),
+        (
+            {"sparsity": "cats", "weights": "int8", "offload_budget": 0.3},
+            "hot/cold split .* places float32 neurons",
+        ),
         ({"weights": "int8", "draft": "int8"}, "is the model itself"),
         ({"sparsity": "cats", "draft": "sparse"}, "is the model itself"),
     ],

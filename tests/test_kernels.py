@@ -19,12 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisparse import kernels
-from minisparse.kernels import cpu, cpu_build
+from minisparse.kernels import cpu, cpu_build, cpu_int8
 from minisparse.kernels.reference import (
     gather_gemv_ref,
     sparse_ffn_ref,
     sparse_input_gemv_ref,
 )
+from minisparse.quant_tensor import QuantSpec, quantize_tensor
 
 TRITON_GATHER = [kernels.gather_gemv, kernels.gather_gemv_naive]
 TRITON_FFN = [kernels.sparse_ffn, kernels.sparse_ffn_unfused]
@@ -414,3 +415,171 @@ def test_split_k_partial_sums_add_up_to_the_reference(monkeypatch, mode):
         out = kernels.sparse_input_gemv(W_t, x, threshold=0.5)
         ref = sparse_input_gemv_ref(W_t, x, threshold=0.5)
     assert rel_err(out, ref) < RTOL
+
+
+# ---- int8 weights: the sparse kernels over chapter 09's codes ---------------------------------
+
+INT8_BATCHES = [None, 3]  # a vector and a batch of 3 (the C loops)
+PROMPT_BATCH = cpu_int8.LOOP_MAX_BATCH + 1  # the torch path (dequantized rows, matmul)
+
+
+def int8_rows(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Codes [rows, cols] int8, one scale per row (chapter 09's per-channel symmetric format),
+    and the dequantized weight in float64 (the reference's weight)."""
+    qt = quantize_tensor(randn(rows, cols, gen=gen), QuantSpec(bits=8))
+    scale = qt.scale.flatten().float()
+    return qt.q, scale, qt.q.double() * scale.double()[:, None]
+
+
+def int8_down(ffn: int, dim: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """down_proj [dim, ffn] quantized per output channel, stored transposed: codes [ffn, dim],
+    scales [dim] (one per output column), and the dequantized W_down^T [ffn, dim] in float64."""
+    q, scale, w = int8_rows(dim, ffn, gen)
+    return q.T.contiguous(), scale, w.T
+
+
+def batch_of(batch: int | None, width: int, gen: torch.Generator) -> torch.Tensor:
+    return randn(width, gen=gen) if batch is None else randn(batch, width, gen=gen)
+
+
+@pytest.mark.parametrize("kind", ["empty", "full", "random", "clustered"])
+@pytest.mark.parametrize("batch", [*INT8_BATCHES, PROMPT_BATCH])
+def test_int8_gather_gemv_matches_the_dequantized_float64_reference(kind, batch):
+    gen = seeded("int8-gather", kind, batch)
+    N, K = 157, 203
+    q, scale, w = int8_rows(N, K, gen)
+    x, idx = batch_of(batch, K, gen), make_idx(N, kind, gen)
+    out = cpu_int8.gather_gemv_i8(q, scale, x, idx)
+    assert out.shape == ((idx.numel(),) if batch is None else (batch, idx.numel()))
+    assert out.dtype == torch.float32
+    if idx.numel():
+        assert rel_err(out, gather_gemv_ref(w, x.double(), idx)) <= RTOL
+
+
+@pytest.mark.parametrize("mode", ["threshold", "empty", "full", "random", "clustered"])
+@pytest.mark.parametrize("batch", [*INT8_BATCHES, PROMPT_BATCH])
+def test_int8_sparse_input_gemv_matches_the_dequantized_float64_reference(mode, batch):
+    gen = seeded("int8-scatter", mode, batch)
+    K, N = 149, 211
+    q_t, scale, w_t = int8_down(K, N, gen)
+    x = batch_of(batch, K, gen)
+    kw = {"threshold": 0.8} if mode == "threshold" else {"idx": make_idx(K, mode, gen)}
+    out = cpu_int8.sparse_input_gemv_i8(q_t, scale, x, **kw)
+    assert out.shape == (*x.shape[:-1], N)
+    ref = sparse_input_gemv_ref(w_t, x.double(), **kw)
+    if mode == "empty":
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert rel_err(out, ref) <= RTOL
+    if mode == "threshold":  # the threshold really drops inputs
+        assert rel_err(x.double() @ w_t, ref) > 1e-3
+
+
+@pytest.mark.parametrize("act", ["silu", "relu", "gelu"])
+@pytest.mark.parametrize("kind", ["empty", "full", "random", "clustered"])
+@pytest.mark.parametrize("batch", INT8_BATCHES)
+def test_int8_sparse_ffn_matches_the_dequantized_float64_reference(act, kind, batch):
+    gen = seeded("int8-ffn", act, kind, batch)
+    F_, D = 97, 131
+    (qg, sg, wg), (qu, su, wu) = int8_rows(F_, D, gen), int8_rows(F_, D, gen)
+    qd_t, sd, wd_t = int8_down(F_, D, gen)
+    x, idx = batch_of(batch, D, gen), make_idx(F_, kind, gen)
+    out = cpu_int8.sparse_ffn_i8(x, qg, sg, qu, su, qd_t, sd, idx, act)
+    assert out.shape == x.shape
+    if kind == "empty":
+        assert torch.equal(out, torch.zeros_like(out))
+        return
+    ref = sparse_ffn_ref(x.double(), wg, wu, wd_t, idx, act)
+    assert rel_err(out, ref) <= RTOL
+
+
+def test_int8_gather_and_scatter_loops_with_and_without_prefetch(fast_path):
+    gen = seeded("int8-loops")
+    q, scale, w = int8_rows(300, 257, gen)
+    x, idx = randn(3, 257, gen=gen), torch.randperm(300, generator=gen)[:100]
+    a = cpu_int8.gather_rows_dot_i8(q, scale, x, idx, prefetch=True)
+    b = cpu_int8.gather_rows_dot_i8(q, scale, x, idx, prefetch=False)
+    assert torch.equal(a, b) and rel_err(a, gather_gemv_ref(w, x.double(), idx)) <= RTOL
+    v = randn(3, 100, gen=gen)
+    q_t, s_t, w_t = int8_down(300, 75, gen)
+    y = cpu_int8.scatter_rows_sum_i8(q_t, s_t, v, idx)
+    assert torch.equal(y, cpu_int8.scatter_rows_sum_i8(q_t, s_t, v, idx, prefetch=False))
+    assert rel_err(y, v.double() @ w_t[idx]) <= RTOL
+
+
+def test_int8_loops_split_over_threads_give_the_same_sums(fast_path):
+    """Above the parallel minimum (2^20 weights) the rows are split over threads."""
+    gen = seeded("int8-threads")
+    F_, D = 1500, 1000
+    (qg, sg, wg), (qu, su, wu) = int8_rows(F_, D, gen), int8_rows(F_, D, gen)
+    qd_t, sd, wd_t = int8_down(F_, D, gen)
+    x, idx = randn(2, D, gen=gen), torch.randperm(F_, generator=gen)[:1200]
+    ref = sparse_ffn_ref(x.double(), wg, wu, wd_t, idx, "silu")
+    old = torch.get_num_threads()
+    try:
+        outs = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs[threads] = cpu_int8.sparse_ffn_i8(x, qg, sg, qu, su, qd_t, sd, idx, "silu")
+            assert rel_err(outs[threads], ref) <= RTOL
+            up = cpu_int8.gather_gemv_i8(qu, su, x, idx)
+            assert rel_err(up, gather_gemv_ref(wu, x.double(), idx)) <= RTOL
+    finally:
+        torch.set_num_threads(old)
+    assert rel_err(outs[1], outs[2]) <= RTOL
+
+
+def test_int8_kernels_fall_back_to_torch_without_a_compiler(monkeypatch):
+    gen = seeded("int8-fallback")
+    (qg, sg, wg), (qu, su, wu) = int8_rows(40, 30, gen), int8_rows(40, 30, gen)
+    qd_t, sd, wd_t = int8_down(40, 30, gen)
+    x, idx = randn(2, 30, gen=gen), torch.tensor([4, 1, 39, 4])
+    monkeypatch.setattr(cpu_int8, "int8_library", lambda: None)
+    assert not cpu_int8.int8_fast_path_available()
+    assert rel_err(cpu_int8.gather_gemv_i8(qg, sg, x, idx), x.double() @ wg[idx].T) <= RTOL
+    h = randn(2, 40, gen=gen)
+    out = cpu_int8.sparse_input_gemv_i8(qd_t, sd, h, idx=idx)
+    assert rel_err(out, h[:, idx].double() @ wd_t[idx]) <= RTOL
+    ffn = cpu_int8.sparse_ffn_i8(x[0], qg, sg, qu, su, qd_t, sd, idx, "gelu")
+    assert rel_err(ffn, sparse_ffn_ref(x[0].double(), wg, wu, wd_t, idx, "gelu")) <= RTOL
+    with pytest.raises(RuntimeError, match="falls back to torch"):
+        cpu_int8.gather_rows_dot_i8(qg, sg, x, idx)
+
+
+def test_int8_kernels_refuse_bad_codes_scales_and_indices():
+    q, s = torch.zeros(10, 8, dtype=torch.int8), torch.ones(10)
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match="int8 codes"):
+        cpu_int8.gather_gemv_i8(q.float(), s, x, torch.tensor([0]))
+    with pytest.raises(ValueError, match="10 scales"):
+        cpu_int8.gather_gemv_i8(q, torch.ones(8), x, torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        cpu_int8.gather_gemv_i8(q, s, x, torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match=r"x must have shape \[8\]"):
+        cpu_int8.gather_gemv_i8(q, s, torch.randn(9), torch.tensor([0]))
+    with pytest.raises(ValueError, match="one per output column"):
+        cpu_int8.sparse_input_gemv_i8(q, s, torch.randn(10), idx=torch.tensor([0]))
+    with pytest.raises(ValueError, match="exactly one of threshold"):
+        cpu_int8.sparse_input_gemv_i8(q, torch.ones(8), torch.randn(10))
+    with pytest.raises(ValueError, match="Unknown activation"):
+        cpu_int8.sparse_ffn_i8(x, q, s, q, s, q, torch.ones(8), torch.tensor([0]), "tanh")
+    with pytest.raises(ValueError, match=r"must all be \[ffn, dim\]"):
+        cpu_int8.sparse_ffn_i8(x, q, s, q, s, q[:9], torch.ones(8), torch.tensor([0]))
+
+
+def test_int8_c_loops_check_every_index_themselves():
+    lib = cpu_int8.int8_library()
+    if lib is None:
+        pytest.skip("no compiled library here")
+    q, s = torch.ones(4, 8, dtype=torch.int8), torch.ones(8)
+    x, v, y = torch.randn(8), torch.randn(2), torch.zeros(8)
+    for bad in ([0, 4], [-1, 0], [0, 10**12]):
+        idx = torch.tensor(bad)
+        gather = (q.data_ptr(), 4, 8, s.data_ptr(), x.data_ptr(), 1, 8, idx.data_ptr(), 2)
+        assert lib.gather_gemv_i8(*gather, y.data_ptr(), 1, 1) == cpu.BAD_INDEX
+        scatter = (q.data_ptr(), 4, 8, s.data_ptr(), v.data_ptr(), 1, 2, idx.data_ptr(), 8)
+        assert lib.scatter_gemv_i8(*scatter, y.data_ptr(), 1, 1) == cpu.BAD_INDEX
+        ffn = (q.data_ptr(), s.data_ptr(), q.data_ptr(), s.data_ptr(), q.data_ptr(), s.data_ptr())
+        rest = (4, 8, x.data_ptr(), 1, idx.data_ptr(), 2, 0, y.data_ptr(), 1, 1)
+        assert lib.sparse_ffn_i8(*ffn, *rest) == cpu.BAD_INDEX
+    assert torch.equal(y, torch.zeros(8))  # refused before writing anything

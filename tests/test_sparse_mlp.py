@@ -7,7 +7,10 @@ import torch
 
 from conftest import tiny_model
 from minisparse import sparse_mlp as S
+from minisparse.kernels import cpu_int8
 from minisparse.model import MLP, ModelConfig, Transformer
+from minisparse.quant import quantize_model
+from minisparse.sparse_mlp_weights import dequantized_mlp, int8_mlp
 
 
 def tiny(act: str = "silu", seed: int = 0) -> Transformer:
@@ -220,3 +223,103 @@ def test_embedded_model_sparse_logits_match(embedded):
         dense_err = (model(toks).double() - m64(toks)).abs().max().item()
     sparse_err = (out.double() - ref64).abs().max().item()
     assert sparse_err <= 2e-4 and sparse_err <= 3 * dense_err
+
+
+# ---- int8 weights: sparsity times chapter 09's weight-only quantization ------------------------
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def int8_model(act: str = "silu", seed: int = 0) -> Transformer:
+    return quantize_model(tiny(act, seed), bits=8, packed=True, progress=False)
+
+
+def masked_dequantized(model: Transformer, sparse) -> list[S.MaskedMLP]:
+    """The float32 MLPs of the dequantized int8 weights, masked exactly as ``sparse`` was."""
+    return [
+        S.MaskedMLP(dequantized_mlp(layer.mlp), keep=sp.last_keep)
+        for layer, sp in zip(model.layers, sparse, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("act", ["silu", "relu", "gelu"])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 9), (5, 14)])  # the C loops, and 70: torch
+def test_int8_threshold_model_equals_the_masked_dequantized_model(act, shape):
+    model, toks = int8_model(act), tokens(1, shape)
+    limits = S.calibrate_thresholds(model, tokens(2, (2, 9)), sparsity=0.5)
+    with torch.no_grad():
+        sparse = S.sparse_mlps(model, limits)
+        assert all(m.int8 and m.Q_gate.dtype == torch.int8 for m in sparse)
+        with S.using_mlps(model, sparse):
+            out = model(toks)
+        with S.using_mlps(model, masked_dequantized(model, sparse)):
+            ref = model(toks)
+        with S.using_mlps(model, [dequantized_mlp(layer.mlp) for layer in model.layers]):
+            dense = model(toks)
+    assert 0 < sparse[0].last_keep.float().mean().item() < 0.9
+    assert rel(out, ref) <= 1e-4
+    assert rel(out, dense) > 1e-3  # the masks really change the model
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_int8_select_mlp_equals_the_masked_dequantized_mlp(fused, n_tokens):
+    torch.manual_seed(0)
+    mlp = int8_mlp(tiny().layers[1].mlp)
+    hot = torch.randperm(70, generator=torch.Generator().manual_seed(3))[:25]
+    sp = S.SparseMLP(mlp, select=lambda x: hot)
+    if not fused:
+        sp.act_name = None  # as for an activation the kernels do not know: gate, act, up, down
+    x = torch.randn(n_tokens, 40, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = sp(x)
+        ref = S.MaskedMLP(dequantized_mlp(mlp), select=lambda x: hot)(x)
+        dense = dequantized_mlp(mlp)(x)
+    assert rel(out, ref) <= 1e-4 and rel(out, dense) > 1e-3
+
+
+def test_int8_sparse_mlp_is_correct_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(cpu_int8, "int8_library", lambda: None)
+    mlp = int8_mlp(tiny().layers[0].mlp)
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for kw in ({"threshold": 0.05}, {"select": lambda x: torch.arange(3, 70, 4)}):
+            sp = S.SparseMLP(mlp, **kw)
+            out = sp(x)
+            ref = S.MaskedMLP(dequantized_mlp(mlp), keep=sp.last_keep)(x)
+            assert rel(out, ref) <= 1e-4 and sp.last_density < 1
+
+
+def test_int8_sparse_mlp_keeps_the_int8_models_codes_and_checkpoints(tmp_path):
+    model, toks = int8_model(), tokens(7, (1, 5))
+    quantized = int8_mlp(tiny().layers[0].mlp)  # the helper quantizes as quantize_model does
+    assert torch.equal(quantized.gate_proj.q, model.layers[0].mlp.gate_proj.q)
+    int8_state = model.state_dict()
+    S.sparsify(model, 0.1)
+    state = model.state_dict()
+    assert set(state) == set(int8_state)  # Int8Linear's names: q and scale of each projection
+    assert all(torch.equal(state[k], v) for k, v in int8_state.items())
+    torch.save(state, tmp_path / "sparse_int8.pt")
+    other = int8_model(seed=1)
+    S.sparsify(other, 0.1)
+    other.load_state_dict(torch.load(tmp_path / "sparse_int8.pt", weights_only=True))
+    with torch.no_grad():
+        assert torch.equal(other(toks), model(toks))
+    bad = {**state, "layers.0.mlp.down_proj.q": torch.zeros(3, 3, dtype=torch.int8)}
+    with pytest.raises(RuntimeError, match=r"size mismatch for layers\.0\.mlp\.down_proj\.q"):
+        other.load_state_dict(bad)
+
+
+def test_int8_sparse_mlp_refuses_a_mix_and_the_triton_backend():
+    mlp = tiny().layers[0].mlp
+    mixed = int8_mlp(mlp)
+    mixed.up_proj = mlp.up_proj
+    with pytest.raises(ValueError, match="all float or all int8"):
+        S.SparseMLP(mixed, threshold=0.1)
+    from minisparse.kernels.interpreter import triton_available
+
+    if triton_available():  # without triton, backend='triton' fails earlier (ImportError)
+        with pytest.raises(ValueError, match="no Triton kernels for int8"):
+            S.SparseMLP(int8_mlp(mlp), threshold=0.1, backend="triton")

@@ -37,10 +37,12 @@ CONFIGS: dict[str, EngineConfig] = {
     "lookup": EngineConfig(draft="prompt-lookup"),
     "int8+lookup": EngineConfig(weights="int8", draft="prompt-lookup"),
     "cats+lookup": EngineConfig(sparsity="cats", draft="prompt-lookup"),
+    "cats+int8": EngineConfig(sparsity="cats", weights="int8"),
 }
 RELU_CONFIGS: dict[str, EngineConfig] = {
     "relu": EngineConfig(sparsity="relu"),
     "relu+lookup": EngineConfig(sparsity="relu", draft="prompt-lookup"),
+    "relu+int8": EngineConfig(sparsity="relu", weights="int8"),
 }
 
 

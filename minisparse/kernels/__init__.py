@@ -6,7 +6,8 @@
 * ``sparse_ffn(x, W_gate, W_up, W_down_t, idx, act)``: the fused sparse gated FFN.
 
 The same three functions exist in ``minisparse.kernels.cpu`` (a C fast path for CPUs) and as
-definitions in ``minisparse.kernels.reference``.
+definitions in ``minisparse.kernels.reference``; ``minisparse.kernels.cpu_int8`` has them over
+int8 weights (chapter 09's codes and per-channel scales) on the CPU.
 
 Importing this package imports neither triton nor changes any setting of the process: the
 Triton kernel modules (``row_sparse``, ``column_sparse``, ``fused_ffn``) are imported on the

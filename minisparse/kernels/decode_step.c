@@ -7,7 +7,8 @@
 
      attn_step:   x += W_o attention(RoPE(W_q n), RoPE(W_k n), W_v n),   n = in(RMSNorm(x))
      mlp_step:    x += W_down down_in(act(W_gate n) * (W_up n)),         n = in(RMSNorm(x))
-     sparse_mlp_step: the same MLP over the active neurons only (threshold or predictor)
+     sparse_mlp_step: the same MLP over the active neurons only (threshold or predictor),
+                      float32 or int8 rows
 
    Matrices are nn.Linear's own layout, W [out, in] row-major, so a row is one contiguous
    stream and the threads split the rows between them (no reduction, no transposed copy at load
@@ -94,7 +95,8 @@ typedef struct {
     int64_t dim, ffn, rank;
     float eps;
     const float* norm;
-    const float *wg, *wu, *wd_t;                 /* [ffn, dim], [ffn, dim], [ffn, dim] */
+    Mat wg, wu, wd_t;                            /* [ffn, dim], [ffn, dim], [ffn, dim]; int8 */
+                                                 /* wd_t: one scale per column (per output) */
     int32_t act;
     Slot in;
     float threshold;                             /* threshold mode: active = |act(gate)| > t */
@@ -141,6 +143,17 @@ static inline float dot_next(const float* a, const float* b, int64_t n, const fl
     if (next)
         for (int64_t k = 0; k < n; k += 16) __builtin_prefetch(next + k, 0, 0);
     return dot(a, b, n);
+}
+
+/* M[i] . x (int8 rows scaled after the sum), prefetching row `next` of M (-1: none). */
+static inline float mdot_next(Mat M, int64_t i, const float* x, int64_t K, int64_t next) {
+    if (!M.scale)
+        return dot_next((const float*)M.data + i * K, x, K,
+                        next >= 0 ? (const float*)M.data + next * K : 0);
+    const int8_t* q = (const int8_t*)M.data;
+    if (next >= 0)
+        for (int64_t k = 0; k < K; k += 64) __builtin_prefetch(q + next * K + k, 0, 1);
+    return M.scale[i] * dot_i8(q + i * K, x, K);
 }
 
 /* y[r] = W[r] . x for the four consecutive rows of W [4, K]: four independent streams, x read
@@ -410,6 +423,33 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
 
 #define GROUP 8
 
+/* part += sum_r h[r] W[rows[r]] over g <= GROUP rows of W [*, D] (float32 or int8 codes, one
+   function each), summed in registers; the next group's rows (up to GROUP of `left`) are
+   prefetched meanwhile. */
+#define DOWN_GROUP(NAME, T, LOAD16, LINE, LOCALITY)                                           \
+    static void NAME(const T* W, const int64_t* rows, int64_t g, const int64_t* next,          \
+                     int64_t left, const float* h, float* part, int64_t D) {                   \
+        for (int64_t r = 0; r < GROUP && r < left; r++)                                        \
+            for (int64_t k = 0; k < D; k += LINE)                                              \
+                __builtin_prefetch(W + next[r] * D + k, 0, LOCALITY);                          \
+        int64_t c = 0;                                                                         \
+        for (; c + 16 <= D; c += 16) {                                                         \
+            v16 s = {0};                                                                       \
+            for (int64_t r = 0; r < g; r++) s += h[r] * LOAD16(W + rows[r] * D + c);           \
+            v16 old = load16(part + c);                                                        \
+            old += s;                                                                          \
+            __builtin_memcpy(part + c, &old, 64);                                              \
+        }                                                                                      \
+        for (; c < D; c++) {                                                                   \
+            float s = 0.0f;                                                                    \
+            for (int64_t r = 0; r < g; r++) s += h[r] * (float)W[rows[r] * D + c];             \
+            part[c] += s;                                                                      \
+        }                                                                                      \
+    }
+
+DOWN_GROUP(down_group, float, load16, 16, 0)
+DOWN_GROUP(down_group_i8, int8_t, load16_i8, 64, 1)
+
 /* Scratch floats sparse_mlp_step needs: the indices (int64, two floats each), the norm, the
    gate values or logits, the predictor's bottleneck, the values, one partial output per thread. */
 int64_t sparse_mlp_scratch(int64_t dim, int64_t ffn, int64_t rank, int num_threads) {
@@ -446,9 +486,15 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
             }
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++) a[j] = dot(L->pv + j * R, t, R) + L->pv_bias[j];
-        } else {
+        } else if (L->wg.scale) {  /* int8 gate: four rows at a time, as in mlp_step */
+            gemv_rows(L->wg, 0, n, a, F, D);
+            #pragma omp barrier
             #pragma omp for schedule(static)
-            for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, dot(L->wg + j * D, n, D));
+            for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, a[j]);
+        } else {
+            const float* wg = (const float*)L->wg.data;
+            #pragma omp for schedule(static)
+            for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, dot(wg + j * D, n, D));
         }
         #pragma omp single
         {
@@ -457,44 +503,33 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
         }
         #pragma omp for schedule(dynamic, 16)
         for (int64_t i = 0; i < count; i++) {
-            int64_t j = idx[i];
-            const float* next_up = i + 1 < count ? L->wu + idx[i + 1] * D : 0;
+            int64_t j = idx[i], next = i + 1 < count ? idx[i + 1] : -1;
             float g = a[j];
-            if (predicted) {
-                const float* next_gate = i + 1 < count ? L->wg + idx[i + 1] * D : 0;
-                g = activate(L->act, dot_next(L->wg + j * D, n, D, next_gate));
-            }
-            hv[i] = g * dot_next(L->wu + j * D, n, D, next_up);
+            if (predicted) g = activate(L->act, mdot_next(L->wg, j, n, D, next));
+            hv[i] = g * mdot_next(L->wu, j, n, D, next);
         }
         /* y = sum_i hv[i] W_down_t[idx[i]]: groups of GROUP rows summed in registers, each
-           thread into its own partial sum, then the partials added to x */
+           thread into its own partial sum, then the partials added to x. Int8 rows: the codes
+           are summed, and the per-output scale multiplies the total (it factors out). */
         float* part = parts + (int64_t)THREAD_ID() * D;
         for (int64_t c = 0; c < D; c++) part[c] = 0.0f;
         #pragma omp for schedule(dynamic, 2)
         for (int64_t g0 = 0; g0 < count; g0 += GROUP) {
             int64_t g = count - g0 < GROUP ? count - g0 : GROUP;
-            for (int64_t r = g0 + GROUP; r < g0 + 2 * GROUP && r < count; r++)
-                for (int64_t k = 0; k < D; k += 16) __builtin_prefetch(L->wd_t + idx[r] * D + k, 0, 0);
-            int64_t c = 0;
-            for (; c + 16 <= D; c += 16) {
-                v16 s = {0};
-                for (int64_t r = 0; r < g; r++) s += hv[g0 + r] * load16(L->wd_t + idx[g0 + r] * D + c);
-                v16 old = load16(part + c);
-                old += s;
-                __builtin_memcpy(part + c, &old, 64);
-            }
-            for (; c < D; c++) {
-                float s = 0.0f;
-                for (int64_t r = 0; r < g; r++) s += hv[g0 + r] * L->wd_t[idx[g0 + r] * D + c];
-                part[c] += s;
-            }
+            if (L->wd_t.scale)
+                down_group_i8((const int8_t*)L->wd_t.data, idx + g0, g, idx + g0 + g,
+                              count - g0 - g, hv + g0, part, D);
+            else
+                down_group((const float*)L->wd_t.data, idx + g0, g, idx + g0 + g,
+                           count - g0 - g, hv + g0, part, D);
         }
         int nt = THREADS();
+        const float* sd = L->wd_t.scale;
         #pragma omp for schedule(static)
         for (int64_t c = 0; c < D; c++) {
             float s = 0.0f;
             for (int p = 0; p < nt; p++) s += parts[p * D + c];
-            x[c] += s;
+            x[c] += sd ? sd[c] * s : s;
         }
     }
     return count;
