@@ -41,7 +41,7 @@ from .generate import generate
 from .model import Transformer
 from .offload import Placement
 
-__all__ = ["DRAFTS", "SPARSITY", "WEIGHTS", "Engine", "EngineConfig", "build"]
+__all__ = ["DRAFTS", "SPARSITY", "WEIGHTS", "Engine", "EngineConfig", "build", "step_bytes"]
 
 SPARSITY = ("none", "relu", "cats")
 WEIGHTS = ("fp32", "int8", "int4")
@@ -111,6 +111,7 @@ class Engine:
     draft: Any = None
     placement: Placement | None = None
     description: str = ""
+    last_stats: Any = None  # the last speculative run's SpeculativeStats (None without a draft)
 
     def generate(self, prompt: Any, max_new_tokens: int = 64, **sampling: Any) -> list[int]:
         """New token ids after ``prompt``, as ``minisparse.generate`` returns them."""
@@ -118,16 +119,57 @@ class Engine:
             return generate(self.model, self.tokenizer, prompt, max_new_tokens, **sampling)
         from .speculative import speculative_generate
 
-        ids, _ = speculative_generate(
+        ids, self.last_stats = speculative_generate(
             self.model, self.tokenizer, prompt, self.draft, self.config.gamma, max_new_tokens,
             **sampling,
         )  # fmt: skip
         return ids
 
+    def bytes_per_token(self) -> float:
+        """Weight bytes read per emitted token, at the sparse MLPs' last measured density.
+
+        One decode step reads ``step_bytes(model)``; speculative decoding reads one target pass
+        (the weights once for all gamma + 1 positions, at batch 1 bandwidth-bound) and the
+        draft's steps per pass, and emits ``tokens_per_call`` tokens per pass (the last run's).
+        """
+        target = step_bytes(self.model)
+        stats = self.last_stats
+        if self.draft is None or stats is None or not stats.target_calls:
+            return target
+        draft_model = getattr(self.draft, "model", None)
+        draft = 0.0 if draft_model is None else step_bytes(draft_model)
+        per_pass = target + draft * stats.draft_calls / stats.target_calls
+        return per_pass / stats.tokens_per_call
+
     def resident_bytes(self) -> int:
         """Bytes of the model's parameters and buffers (what must sit in memory)."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
         return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def step_bytes(model: Transformer) -> float:
+    """Weight bytes one batch-1 decode step reads, sparse MLPs at their last density.
+
+    Every weight is read once (``quant.streamed_bytes``), except in a ``SparseMLP``: with a
+    threshold it reads its gate densely and the active share d of up and down,
+    (1 + 2 d) / 3 of its bytes; with a selector, d of all three. d is the mean share of
+    active neurons per token in the module's last multi-token call (``last_keep``), e.g. a
+    perplexity pass; for a selector, the share it selected.
+    """
+    from .quant import streamed_bytes
+    from .sparse_mlp import SparseMLP
+
+    total = float(streamed_bytes(model))
+    for m in model.modules():
+        if not isinstance(m, SparseMLP):
+            continue
+        counted = streamed_bytes(m)
+        own = sum(t.numel() * t.element_size() for t in m.buffers())
+        keep = m.last_keep
+        d = float(keep.float().mean()) if keep is not None else m.last_density
+        share = (1 + 2 * d) / 3 if m.threshold is not None else d
+        total += own * share - counted
+    return total
 
 
 def build(

@@ -278,7 +278,7 @@ def _pareto_cases(gen: torch.Generator) -> Cases:
 def _pareto(points: list[tuple[float, float]]) -> list[bool]:
     from .bench.engine import EngineRow, pareto
 
-    rows = [EngineRow(f"{i}", "", s, 1.0, p, 0.0, False) for i, (s, p) in enumerate(points)]
+    rows = [EngineRow(f"{i}", "", s, 1.0, p, 0.0, 0.0, False) for i, (s, p) in enumerate(points)]
     return [row.pareto for row in pareto(rows)]
 
 

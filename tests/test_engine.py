@@ -191,9 +191,33 @@ def test_pareto_marks_the_rows_nothing_beats():
 
     rows = pareto(
         [
-            EngineRow("a", "", 10.0, 1.0, 12.0, 1.0, True),
-            EngineRow("b", "", 20.0, 2.0, 13.0, 1.0, True),
-            EngineRow("c", "", 15.0, 1.5, 14.0, 1.0, True),  # slower and worse than b
+            EngineRow("a", "", 10.0, 1.0, 12.0, 50.0, 1.0, True),
+            EngineRow("b", "", 20.0, 2.0, 13.0, 50.0, 1.0, True),
+            EngineRow("c", "", 15.0, 1.5, 14.0, 50.0, 1.0, True),  # slower and worse than b
         ]
     )
     assert [r.pareto for r in rows] == [True, True, False]
+
+
+@torch.inference_mode()
+def test_bytes_per_token_follow_the_density_and_the_tokens_per_pass():
+    from minisparse.quant import streamed_bytes
+    from minisparse.sparse_mlp import SparseMLP, swap_mlps_
+
+    model = tiny_model(seed=21)
+    dense = E.step_bytes(model)
+    assert dense == streamed_bytes(model)
+    mlp_bytes = sum(p.numel() * 4 for p in model.layers[0].mlp.parameters())
+    sparse = tiny_model(seed=21)
+    swap_mlps_(sparse, [SparseMLP(layer.mlp, threshold=0.02) for layer in sparse.layers])
+    tokens = torch.randint(0, sparse.config.vocab_size, (1, 17), generator=torch.Generator())
+    sparse(tokens)
+    densities = [float(layer.mlp.last_keep.float().mean()) for layer in sparse.layers]
+    assert all(0.05 < d < 0.95 for d in densities)
+    expected = dense - sum(mlp_bytes * (1 - (1 + 2 * d) / 3) for d in densities)
+    assert E.step_bytes(sparse) == pytest.approx(expected, rel=1e-6)
+    # prompt lookup: one target pass per tokens_per_call emitted tokens, no draft weights
+    engine = E.build(model, IdTokenizer(), E.EngineConfig(draft="prompt-lookup"))
+    engine.generate("1 2 3 4 1 2 3 4 1 2 3", 12)
+    assert engine.last_stats.tokens_per_call >= 1
+    assert engine.bytes_per_token() == pytest.approx(dense / engine.last_stats.tokens_per_call)

@@ -7,7 +7,8 @@ the cache holds it) decodes the same grounded chat prompt greedily; the runs are
 within each repeat by the one timing harness and reported as tokens/s and as a ratio to the
 dense model of the same run. Beside speed: perplexity on held-out text (the engine's model;
 a speculative engine has its target's perplexity, since it emits the target's tokens), the
-bytes of its parameters and buffers, whether its greedy tokens equal dense decoding, and
+weight bytes it reads per emitted token (``Engine.bytes_per_token``), the bytes of its
+parameters and buffers, whether its greedy tokens equal dense decoding, and
 whether it is on the Pareto front (no other configuration is both faster and better).
 """
 
@@ -53,6 +54,7 @@ class EngineRow:
     tok_s: float
     ratio_to_dense: float
     perplexity: float
+    mb_per_token: float  # weight bytes read per emitted token (Engine.bytes_per_token)
     resident_mb: float
     same_tokens_as_dense: bool
     pareto: bool = False
@@ -107,6 +109,7 @@ def bench_engine(
                 tok_s=speeds[name].tok_s,
                 ratio_to_dense=speeds[name].tok_s / dense.tok_s,
                 perplexity=ppl,
+                mb_per_token=e.bytes_per_token() / 1e6,
                 resident_mb=e.resident_bytes() / 1e6,
                 same_tokens_as_dense=speeds[name].tokens == dense.tokens,
             )
@@ -115,12 +118,16 @@ def bench_engine(
 
 
 def format_rows(rows: list[EngineRow]) -> str:
-    head = f"{'name':12s} {'tok/s':>7s} {'x dense':>8s} {'ppl':>7s} {'MB':>6s}  same  Pareto"
+    head = (
+        f"{'name':12s} {'tok/s':>7s} {'x dense':>8s} {'ppl':>7s} {'MB/tok':>7s} {'MB':>6s}  same  "
+        "Pareto"
+    )
     lines = [head]
     for r in rows:
         lines.append(
             f"{r.name:12s} {r.tok_s:7.1f} {r.ratio_to_dense:8.2f} {r.perplexity:7.2f} "
-            f"{r.resident_mb:6.0f}  {'yes ' if r.same_tokens_as_dense else 'no  '}  "
+            f"{r.mb_per_token:7.1f} {r.resident_mb:6.0f}  "
+            f"{'yes ' if r.same_tokens_as_dense else 'no  '}  "
             f"{'*' if r.pareto else '':6s}  {r.description}"
         )
     return "\n".join(lines)
