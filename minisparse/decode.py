@@ -226,6 +226,7 @@ class Decoder:
                 ref, self.x.data_ptr(), self.scratch.data_ptr(), self.threads
             )
             mlp.last_density, mlp.last_keep = count / half.c.ffn, None
+            mlp.step_density = [mlp.step_density[0] + mlp.last_density, mlp.step_density[1] + 1]
             return "sparse mlp"
         self.lib.mlp_step(ref, self.x.data_ptr(), n, self.scratch.data_ptr(), self.threads)
         return "mlp"

@@ -152,9 +152,10 @@ def step_bytes(model: Transformer) -> float:
 
     Every weight is read once (``quant.streamed_bytes``), except in a ``SparseMLP``: with a
     threshold it reads its gate densely and the active share d of up and down,
-    (1 + 2 d) / 3 of its bytes; with a selector, d of all three. d is the mean share of
-    active neurons per token in the module's last multi-token call (``last_keep``), e.g. a
-    perplexity pass; for a selector, the share it selected.
+    (1 + 2 d) / 3 of its bytes; with a selector, d of all three. d is the mean share the
+    module read over its one-token calls so far (``step_density``: the decode steps it ran);
+    before any, the mean per-token share of its last call's mask (``last_keep``). A
+    verification pass over several tokens reads the union of their neurons, more than this.
     """
     from .quant import streamed_bytes
     from .sparse_mlp import SparseMLP
@@ -165,8 +166,12 @@ def step_bytes(model: Transformer) -> float:
             continue
         counted = streamed_bytes(m)
         own = sum(t.numel() * t.element_size() for t in m.buffers())
+        summed, steps = m.step_density
         keep = m.last_keep
-        d = float(keep.float().mean()) if keep is not None else m.last_density
+        if steps:
+            d = summed / steps
+        else:
+            d = float(keep.float().mean()) if keep is not None else m.last_density
         share = (1 + 2 * d) / 3 if m.threshold is not None else d
         total += own * share - counted
     return total

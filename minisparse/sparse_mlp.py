@@ -205,6 +205,7 @@ class SparseMLP(nn.Module):
         self.select = select
         self.last_density = 1.0  # fraction of neurons read in the last call (for reporting)
         self.last_keep: Tensor | None = None  # the last call's mask [tokens, ffn] (for tests)
+        self.step_density = [0.0, 0]  # summed share of neurons read by one-token calls, calls
 
     @property
     def ops(self) -> ModuleType:
@@ -274,6 +275,8 @@ class SparseMLP(nn.Module):
             y = self._forward_threshold(flat)
         else:
             y = self._forward_select(flat)
+        if flat.shape[0] == 1:  # a decode step: what it read counts towards bytes per token
+            self.step_density = [self.step_density[0] + self.last_density, self.step_density[1] + 1]
         return y.reshape(*shape[:-1], y.shape[-1])
 
     def _rows(self, name: str, x: Tensor, idx: Tensor) -> Tensor:

@@ -216,6 +216,11 @@ def test_bytes_per_token_follow_the_density_and_the_tokens_per_pass():
     assert all(0.05 < d < 0.95 for d in densities)
     expected = dense - sum(mlp_bytes * (1 - (1 + 2 * d) / 3) for d in densities)
     assert E.step_bytes(sparse) == pytest.approx(expected, rel=1e-6)
+    sparse(tokens[:, :1])  # one decode-like step: its own share of neurons now counts
+    steps = [layer.mlp.last_density for layer in sparse.layers]
+    assert [layer.mlp.step_density for layer in sparse.layers] == [[d, 1] for d in steps]
+    expected = dense - sum(mlp_bytes * (1 - (1 + 2 * d) / 3) for d in steps)
+    assert E.step_bytes(sparse) == pytest.approx(expected, rel=1e-6)
     # prompt lookup: one target pass per tokens_per_call emitted tokens, no draft weights
     engine = E.build(model, IdTokenizer(), E.EngineConfig(draft="prompt-lookup"))
     engine.generate("1 2 3 4 1 2 3 4 1 2 3", 12)

@@ -58,6 +58,7 @@ class EngineRow:
     resident_mb: float
     same_tokens_as_dense: bool
     pareto: bool = False
+    new_tokens: int = 0  # tokens generated per run (a run that stops early times mostly prefill)
 
 
 def relu_model_cached() -> bool:
@@ -112,6 +113,7 @@ def bench_engine(
                 mb_per_token=e.bytes_per_token() / 1e6,
                 resident_mb=e.resident_bytes() / 1e6,
                 same_tokens_as_dense=speeds[name].tokens == dense.tokens,
+                new_tokens=len(speeds[name].tokens),
             )
         )
     return pareto(rows)
@@ -119,14 +121,14 @@ def bench_engine(
 
 def format_rows(rows: list[EngineRow]) -> str:
     head = (
-        f"{'name':12s} {'tok/s':>7s} {'x dense':>8s} {'ppl':>7s} {'MB/tok':>7s} {'MB':>6s}  same  "
-        "Pareto"
+        f"{'name':15s} {'tokens':>6s} {'tok/s':>7s} {'x dense':>8s} {'ppl':>7s} {'MB/tok':>7s} "
+        f"{'MB':>6s}  same  Pareto"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.name:12s} {r.tok_s:7.1f} {r.ratio_to_dense:8.2f} {r.perplexity:7.2f} "
-            f"{r.mb_per_token:7.1f} {r.resident_mb:6.0f}  "
+            f"{r.name:15s} {r.new_tokens:6d} {r.tok_s:7.1f} {r.ratio_to_dense:8.2f} "
+            f"{r.perplexity:7.2f} {r.mb_per_token:7.1f} {r.resident_mb:6.0f}  "
             f"{'yes ' if r.same_tokens_as_dense else 'no  '}  "
             f"{'*' if r.pareto else '':6s}  {r.description}"
         )
