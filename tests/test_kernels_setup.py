@@ -206,3 +206,24 @@ def test_compiler_is_resolved_to_its_real_path():
     assert found.version
     assert cpu.resolve_compiler("/nonexistent/cc") is None
     assert cpu.resolve_compiler("") is None
+
+
+def test_local_headers_are_pasted_into_the_source(tmp_path):
+    from minisparse.kernels.cpu_build import with_local_headers
+
+    (tmp_path / "shared.h").write_text("static int twice(int x) { return 2 * x; }\n")
+    source = '#include <math.h>\n#include "shared.h"\nint f(void) { return twice(3); }\n'
+    text = with_local_headers(source, tmp_path)
+    assert text.startswith("#include <math.h>\nstatic int twice")
+    assert '"shared.h"' not in text
+    # the package's own C files compile from one text with the shared vector helpers in it
+    step = with_local_headers(cpu_build_source("decode_step.c"))
+    assert "load16_i8" in step and '#include "simd.h"' not in step
+
+
+def cpu_build_source(name):
+    from pathlib import Path
+
+    import minisparse.kernels
+
+    return (Path(minisparse.kernels.__file__).parent / name).read_text()

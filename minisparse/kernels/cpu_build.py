@@ -24,6 +24,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -47,6 +48,7 @@ __all__ = [
     "load_library",
     "load_source_library",
     "resolve_compiler",
+    "with_local_headers",
 ]
 
 
@@ -200,6 +202,21 @@ def load_library() -> ctypes.CDLL | None:
     return lib
 
 
+def with_local_headers(source: str, folder: Path | None = None) -> str:
+    """``source`` with each ``#include "NAME.h"`` replaced by that header of this package.
+
+    The libraries are compiled from one text in a temporary folder (and cached under a hash
+    of that text), so a shared header is pasted in rather than found on an include path; its
+    changes then change the cache key too.
+    """
+    folder = folder or Path(__file__).parent
+
+    def paste(match: re.Match[str]) -> str:
+        return (folder / match.group(1)).read_text()
+
+    return re.sub(r'^#include "([\w.]+\.h)"$', paste, source, flags=re.MULTILINE)
+
+
 def load_source_library(
     filename: str, declare: Callable[[ctypes.CDLL], None]
 ) -> ctypes.CDLL | None:
@@ -209,7 +226,7 @@ def load_source_library(
     if load_library() is None:
         return None
     compiler = resolve_compiler(find_compiler() or "")
-    source = (Path(__file__).parent / filename).read_text()
+    source = with_local_headers((Path(__file__).parent / filename).read_text())
     key = library_key(compiler, source)
     try:
         lib = _open(compiler, cache_dir() / f"{Path(filename).stem}_{key}.so", source)

@@ -18,9 +18,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #define THREAD_ID() omp_get_thread_num()
@@ -33,11 +30,7 @@
 /* The most tokens one call takes (a verification pass of speculative decoding, gamma + 1). */
 #define MAX_TOKENS 8
 
-/* 16 floats in one vector register (AVX-512), or split over smaller ones elsewhere. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
+#include "simd.h"
 
 /* The sum of the 16 lanes as a tree (halves added to halves): four vector adds instead of
    fifteen scalar ones, which matters when every row ends in one (B tokens: B per row). */
@@ -210,24 +203,6 @@ static inline void mdot_tokens(Mat M, int64_t i, const float* X, int64_t B, int6
     }
     dot_tokens_i8((const int8_t*)M.data + i * K, X, B, K, out);
     for (int64_t b = 0; b < B; b++) out[b] *= M.scale[i];
-}
-
-/* 16 int8 codes as floats. Compilers turn a generic conversion into 16 scalar ones, so x86
-   gets the sign-extend + convert instructions by name (two of each with AVX2 only). */
-static inline v16 load16_i8(const int8_t* p) {
-    v16 r;
-#if defined(__AVX512F__)
-    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-    __builtin_memcpy(&r, &f, 64);
-#elif defined(__AVX2__)
-    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
-    __builtin_memcpy(&r, &lo, 32);
-    __builtin_memcpy((char*)&r + 32, &hi, 32);
-#else
-    for (int q = 0; q < 16; q++) r[q] = (float)p[q];
-#endif
-    return r;
 }
 
 /* M[i] . x for one token. */
