@@ -47,7 +47,6 @@ __all__ = [
     "float_buffers",
     "int8_buffers",
     "int8_mlp",
-    "int8_state",
     "int8_targets",
     "is_int8_mlp",
     "sparse_buffers",
@@ -109,15 +108,12 @@ def sparse_buffers(mlp: MLP) -> dict[str, Tensor]:
 
 
 def checkpoint_state(module: nn.Module) -> dict[str, Tensor]:
-    """A sparse MLP's weights in the names and layouts of the MLP it was made from."""
+    """A sparse MLP's weights in the names and layouts of the MLP it was made from (for int8,
+    ``Int8Linear``'s: down_proj.q is [dim, ffn], scales in bfloat16)."""
+    state = {k: v.contiguous() for k, v in checkpoint_targets(module).items()}
     if "Q_gate" in module._buffers:
-        return int8_state(module)
-    b = module._buffers
-    return {
-        "gate_proj.weight": b["W_gate"],
-        "up_proj.weight": b["W_up"],
-        "down_proj.weight": b["W_down_t"].T.contiguous(),
-    }
+        state = {k: v.to(torch.bfloat16) if k.endswith(".scale") else v for k, v in state.items()}
+    return state
 
 
 def checkpoint_targets(module: nn.Module) -> dict[str, Tensor]:
@@ -149,23 +145,9 @@ def int8_buffers(mlp: MLP) -> dict[str, Tensor]:
     }
 
 
-def int8_state(module: nn.Module) -> dict[str, Tensor]:
-    """The buffers in ``Int8Linear``'s names and layouts (down_proj.q is [dim, ffn], scales in
-    bfloat16): the state dict of the int8 MLP the sparse one was made from."""
-    b = module._buffers
-    return {
-        "gate_proj.q": b["Q_gate"],
-        "gate_proj.scale": b["s_gate"].to(torch.bfloat16),
-        "up_proj.q": b["Q_up"],
-        "up_proj.scale": b["s_up"].to(torch.bfloat16),
-        "down_proj.q": b["Q_down_t"].T.contiguous(),
-        "down_proj.scale": b["s_down"].to(torch.bfloat16),
-    }
-
-
 def int8_targets(module: nn.Module) -> dict[str, Tensor]:
-    """Where each key of ``int8_state`` is loaded to: the buffers, down's codes as a transposed
-    view (copying into it fills Q_down_t); a bfloat16 scale is widened by the copy."""
+    """Where each int8 key of ``checkpoint_state`` is loaded to: the buffers, down's codes as a
+    transposed view (copying into it fills Q_down_t); a bfloat16 scale is widened by the copy."""
     b = module._buffers
     return {
         "gate_proj.q": b["Q_gate"],

@@ -198,6 +198,14 @@ def _scatter(q_t: Tensor, scale: Tensor, v: Tensor, idx: Tensor, prefetch: bool)
     return y
 
 
+def _require_loop(q: Tensor, name: str, fallback: str) -> None:
+    if q.device.type != "cpu" or int8_library() is None:
+        raise RuntimeError(
+            f"{name} runs the compiled loop on CPU tensors, which is not available here; use "
+            f"{fallback} (it falls back to torch)."
+        )
+
+
 def gather_rows_dot_i8(
     q: Tensor, scale: Tensor, x: Tensor, idx: Tensor, prefetch: bool = True
 ) -> Tensor:
@@ -209,11 +217,7 @@ def gather_rows_dot_i8(
     """
     _check_rows(q, scale, x, idx)
     check_float32_cpu(x=x)
-    if q.device.type != "cpu" or int8_library() is None:
-        raise RuntimeError(
-            "gather_rows_dot_i8 runs the compiled loop on CPU tensors, which is not available "
-            "here; use gather_gemv_i8 (it falls back to torch)."
-        )
+    _require_loop(q, "gather_rows_dot_i8", "gather_gemv_i8")
     return _gather(q, scale, x, idx, prefetch)
 
 
@@ -228,11 +232,7 @@ def scatter_rows_sum_i8(
     """
     _check_columns(q_t, scale, v, idx)
     check_float32_cpu(v=v)
-    if q_t.device.type != "cpu" or int8_library() is None:
-        raise RuntimeError(
-            "scatter_rows_sum_i8 runs the compiled loop on CPU tensors, which is not available "
-            "here; use sparse_input_gemv_i8 (it falls back to torch)."
-        )
+    _require_loop(q_t, "scatter_rows_sum_i8", "sparse_input_gemv_i8")
     return _scatter(q_t, scale, v, idx, prefetch)
 
 
