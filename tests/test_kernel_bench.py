@@ -17,7 +17,9 @@ from minisparse.bench import kernels as KB
 
 
 def test_bench_shape_rows_and_ratios():
-    rows = KB.bench_shape(64, 96, sparsities=(0.0, 0.5), repeats=2, warmup=1, bandwidth_gbs=10.0)
+    rows = KB.bench_shape(
+        64, 96, sparsities=(0.0, 0.5), repeats=2, warmup=1, bandwidth_gbs=10.0, working_set_mb=0.2
+    )
     assert [(r.kernel, r.sparsity) for r in rows] == [
         (k, s) for s in (0.0, 0.5) for k in KB.KERNELS
     ]
@@ -29,6 +31,41 @@ def test_bench_shape_rows_and_ratios():
         moved = n_mats * 64 * round((1 - r.sparsity) * 96) * 4
         assert r.sparse_gbs == pytest.approx(moved / (r.sparse_ms / 1e3) / 1e9)
         assert r.copy_fraction == pytest.approx(r.sparse_gbs / 10.0)
+
+
+def test_weight_copies_exceed_the_working_set():
+    assert KB.weight_copies(10 * 2**20, 256) == 26  # 26 x 10 MiB is the first past 256 MiB
+    assert KB.weight_copies(10 * 2**20, 0) == 1
+    assert KB.weight_copies(300 * 2**20, 256) == 1
+    with pytest.raises(ValueError, match="at least 0"):
+        KB.weight_copies(10, -1)
+
+
+def test_every_call_reads_the_next_copy_of_the_weights(monkeypatch):
+    """Dense and sparse variants each cycle through all copies, so no call finds its weights
+    left in the cache by the call before (the benchmark's cold-weights rule)."""
+    seen: dict[str, list[int]] = {"dense": [], "sparse": []}
+    real, real_linear = KB.kernel_backend(torch.device("cpu")), KB.F.linear
+
+    def gather(W, x, idx):
+        seen["sparse"].append(W.data_ptr())
+        return real["gather_gemv"](W, x, idx)
+
+    def linear(x, W, *args):
+        seen["dense"].append(W.data_ptr())
+        return real_linear(x, W, *args)
+
+    monkeypatch.setattr(KB, "kernel_backend", lambda device: {**real, "gather_gemv": gather})
+    monkeypatch.setattr(KB.F, "linear", linear)
+    ffn_bytes = 3 * 32 * 48 * 4
+    KB.bench_shape(
+        32, 48, (0.5,), ("gate/up",), repeats=5, warmup=1, bandwidth_gbs=1.0,
+        working_set_mb=2.5 * ffn_bytes / 2**20,
+    )  # fmt: skip
+    for name, ptrs in seen.items():
+        assert len(ptrs) == 6, name
+        assert len(set(ptrs)) == 3, name  # three copies, in turn
+        assert all(a != b for a, b in zip(ptrs, ptrs[1:])), name
 
 
 def test_random_active_sets_are_sorted_seeded_and_sized():
@@ -61,6 +98,8 @@ def test_cli_runs_and_writes_json(tmp_path, capsys):
             "2",
             "--warmup",
             "1",
+            "--working-set-mb",
+            "0.1",
             "--json",
             str(out),
         ]
@@ -71,6 +110,7 @@ def test_cli_runs_and_writes_json(tmp_path, capsys):
     assert "copy bandwidth" in text and "48x80" in text and "/ideal" in text
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 6 and data["copy_bandwidth_gbs"] > 0
+    assert data["working_set_mb"] == 0.1
     assert data["machine"]["cores"] >= 1 and data["machine"]["read_gbs"] > 0
 
 

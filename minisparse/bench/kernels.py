@@ -15,11 +15,13 @@ the C fast path (``minisparse.kernels.cpu``); on CUDA the Triton kernels.
 
 Measurement rules (``minisparse.timing``): variants are interleaved within every repeat so
 machine drift hits all of them alike, warm-up first, median of repeats. The active neurons are
-drawn at random and rotated between calls (several sets per sparsity), so a sparse kernel
-cannot keep "its" rows in the last-level cache while dense streams everything; a real decoder
-streams the other layers' weights between two calls of a layer, which evicts them the same way.
-Small shapes (576 x 1536 fp32 = 3.5 MB) fit in cache anyway: there both sides run from cache
-and the ratios measure overheads, not bandwidth.
+drawn at random and rotated between calls (several sets per sparsity), and so are the weights:
+each call reads the next of several copies of the FFN, as many as it takes to exceed
+``WORKING_SET_MB`` (``--working-set-mb``), so every matrix arrives cold from memory, as in a
+decode step, which streams all the other layers' weights between two calls of a layer. A small
+FFN (576 x 1536 x 3 fp32 = 10.6 MB) would otherwise stay in the last-level cache, and its
+ratios would measure call overheads at cache bandwidth, not what decoding meets;
+``--working-set-mb 0`` (one copy) keeps that cache-resident case as a labelled contrast.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -58,13 +61,16 @@ __all__ = [
     "parse_shape",
     "parse_sparsity",
     "run",
+    "sparse_ffn_of",
     "union_density",
+    "weight_copies",
 ]
 
 SHAPES = ((4096, 11008), (576, 1536))
 SPARSITIES = (0.0, 0.5, 0.7, 0.9, 0.95)
 KERNELS = ("gate/up", "down", "ffn")
 GRAPH_CALLS = 8  # calls per captured CUDA graph (one per rotating active set)
+WORKING_SET_MB = 256.0  # weights rotated through per shape: more than any last-level cache
 
 
 @dataclass
@@ -136,11 +142,13 @@ def bench_shape(
     bandwidth_gbs: float | None = None,
     progress: tqdm | None = None,
     cuda_graphs: bool = False,
+    working_set_mb: float = WORKING_SET_MB,
 ) -> list[BenchRow]:
     """Dense vs sparse for one FFN shape at each sparsity; one ``BenchRow`` per kernel and s.
 
     ``cuda_graphs``: time CUDA graph replays of ``GRAPH_CALLS`` calls (per call), the GPU's
-    own time, instead of eager calls from Python.
+    own time, instead of eager calls from Python. ``working_set_mb``: every call reads the next
+    of ``weight_copies`` copies of the weights (cold, as in decoding); 0 gives one copy.
     """
     device = torch.device(device)
     if cuda_graphs and device.type != "cuda":
@@ -153,31 +161,38 @@ def bench_shape(
     if bandwidth_gbs is None:
         bandwidth_gbs = copy_bandwidth(device=device)
     ops = kernel_backend(device)
-    w = random_ffn(dim, ffn, dtype, device, seed)
+    ffn_bytes = 3 * dim * ffn * torch.empty(0, dtype=dtype).element_size()
+    copies = [
+        random_ffn(dim, ffn, dtype, device, seed + 7 * c)
+        for c in range(weight_copies(ffn_bytes, working_set_mb))
+    ]
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(dim, generator=gen).to(device=device, dtype=dtype)
     h = torch.randn(ffn, generator=gen).to(device=device, dtype=dtype)
-    matrix_bytes = dim * ffn * w.W_gate.element_size()
+    matrix_bytes = ffn_bytes // 3
     rows = []
     for s in sparsities:
         sets = itertools.cycle(random_active_sets(ffn, s, 8, seed + 2, device))
         fraction = round((1.0 - s) * ffn) / ffn
-        cases = {
+        ws = {name: itertools.cycle(copies) for name in (*KERNELS, *(f"{k}+" for k in KERNELS))}
+        cases = {  # each call takes the next copy of the weights (its own rotation per variant)
             "gate/up": (
-                lambda: F.linear(x, w.W_gate),
-                lambda sets=sets: ops["gather_gemv"](w.W_gate, x, next(sets)),
+                lambda w=ws["gate/up"]: F.linear(x, next(w).W_gate),
+                lambda w=ws["gate/up+"], sets=sets: ops["gather_gemv"](
+                    next(w).W_gate, x, next(sets)
+                ),
                 1,
             ),
             "down": (
-                lambda: F.linear(h, w.W_down),
-                lambda sets=sets: ops["sparse_input_gemv"](w.W_down_t, h, idx=next(sets)),
+                lambda w=ws["down"]: F.linear(h, next(w).W_down),
+                lambda w=ws["down+"], sets=sets: ops["sparse_input_gemv"](
+                    next(w).W_down_t, h, idx=next(sets)
+                ),
                 1,
             ),
             "ffn": (
-                lambda: dense_ffn(x, w),
-                lambda sets=sets: ops["sparse_ffn"](
-                    x, w.W_gate, w.W_up, w.W_down_t, next(sets), "silu"
-                ),
+                lambda w=ws["ffn"]: dense_ffn(x, next(w)),
+                lambda w=ws["ffn+"], sets=sets: sparse_ffn_of(ops, x, next(w), next(sets)),
                 3,
             ),
         }
@@ -213,6 +228,17 @@ def bench_shape(
     return rows
 
 
+def weight_copies(ffn_bytes: int, working_set_mb: float) -> int:
+    """How many copies of an FFN of ``ffn_bytes`` exceed ``working_set_mb`` (at least one)."""
+    if working_set_mb < 0:
+        raise ValueError(f"working_set_mb must be at least 0 (0: one copy), got {working_set_mb}.")
+    return max(1, math.ceil(working_set_mb * 2**20 / ffn_bytes))
+
+
+def sparse_ffn_of(ops: dict[str, Callable], x: Tensor, w: FFNWeights, idx: Tensor) -> Tensor:
+    return ops["sparse_ffn"](x, w.W_gate, w.W_up, w.W_down_t, idx, "silu")
+
+
 def bench_sparse_ffn(
     shapes: tuple[tuple[int, int], ...] = SHAPES,
     sparsities: tuple[float, ...] = SPARSITIES,
@@ -224,6 +250,7 @@ def bench_sparse_ffn(
     seed: int = 0,
     show_progress: bool = True,
     cuda_graphs: bool = False,
+    working_set_mb: float = WORKING_SET_MB,
 ) -> tuple[list[BenchRow], float]:
     """Run ``bench_shape`` for every shape; return the rows and the copy bandwidth (GB/s)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -240,7 +267,7 @@ def bench_sparse_ffn(
         for dim, ffn in shapes:
             rows += bench_shape(
                 dim, ffn, sparsities, kernels, repeats, warmup, device, dtype, seed, bandwidth, bar,
-                cuda_graphs,
+                cuda_graphs, working_set_mb,
             )  # fmt: skip
     return rows, bandwidth
 
@@ -371,6 +398,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CUDA only: time graph replays (GPU time, no per-call host overhead)",
     )
+    parser.add_argument(
+        "--working-set-mb",
+        type=float,
+        default=WORKING_SET_MB,
+        help="MB of weight copies each shape rotates through, so every call reads cold weights "
+        f"as decoding does (default {WORKING_SET_MB:.0f}; 0: one copy, cache-resident if small)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
@@ -379,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark with parsed arguments; print the table; return the exit status."""
     check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")
     check_count(args.warmup, "--warmup", minimum=0)
+    weight_copies(1, args.working_set_mb)  # a negative size is refused before any work
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             "--device cuda was asked for but no CUDA device is visible; drop --device to "
@@ -394,13 +429,16 @@ def run(args: argparse.Namespace) -> int:
     rows, bandwidth = bench_sparse_ffn(
         tuple(args.shapes), tuple(args.sparsity), tuple(args.kernels), args.repeats, args.warmup,
         args.device, getattr(torch, args.dtype), args.seed, cuda_graphs=args.cuda_graphs,
+        working_set_mb=args.working_set_mb,
     )  # fmt: skip
     timing = "CUDA graph replays" if args.cuda_graphs else "eager calls"
-    print(f"device: {device}, threads: {torch.get_num_threads()}, dtype: {args.dtype}, {timing}")
+    print(f"device: {device}, threads: {torch.get_num_threads()}, dtype: {args.dtype}, {timing}, "
+          f"weights rotated through {args.working_set_mb:.0f} MB")
     print(format_table(rows, bandwidth))
     if args.json:
         payload = {"machine": about.as_dict(), "copy_bandwidth_gbs": bandwidth}
         payload["dtype"], payload["timing"] = args.dtype, timing
+        payload["working_set_mb"] = args.working_set_mb
         payload["rows"] = [asdict(r) for r in rows]
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

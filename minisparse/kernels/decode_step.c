@@ -130,49 +130,30 @@ static inline v16 load16_i8(const int8_t* p);
 DOT(dot, float, load16)
 DOT(dot_i8, int8_t, load16_i8)
 
-/* a . b, asking the memory system for the row `next` (may be NULL) meanwhile: a gathered row is
-   a short burst that the hardware prefetcher has not locked onto yet (chapter 07). */
-static inline float dot_next(const float* a, const float* b, int64_t n, const float* next) {
-    if (next)
-        for (int64_t k = 0; k < n; k += 16) __builtin_prefetch(next + k, 0, 0);
-    return dot(a, b, n);
-}
-
-/* M[i] . x (int8 rows scaled after the sum), prefetching row `next` of M (-1: none). */
-static inline float mdot_next(Mat M, int64_t i, const float* x, int64_t K, int64_t next) {
-    if (!M.scale)
-        return dot_next((const float*)M.data + i * K, x, K,
-                        next >= 0 ? (const float*)M.data + next * K : 0);
-    const int8_t* q = (const int8_t*)M.data;
-    if (next >= 0)
-        for (int64_t k = 0; k < K; k += 64) __builtin_prefetch(q + next * K + k, 0, 1);
-    return M.scale[i] * dot_i8(q + i * K, x, K);
-}
-
-/* y[r] = W[r] . x for the four consecutive rows of W [4, K]: four independent streams, x read
-   once. LOAD16 reads 16 weights as floats (float32 rows or int8 codes, one function each). */
+/* y[r] = row_r . x for four rows of length K (consecutive rows of a matrix, or rows gathered
+   by index): four independent streams, x read once. LOAD16 reads 16 weights as floats (float32
+   rows or int8 codes, one function each). */
 #define DOT4(NAME, T, LOAD16)                                                           \
-    static inline void NAME(const T* W, int64_t K, const float* x, float* y) {          \
+    static inline void NAME(const T* const r[4], int64_t K, const float* x, float* y) { \
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                     \
         int64_t k = 0;                                                                  \
         for (; k + 16 <= K; k += 16) {                                                  \
             v16 xv = load16(x + k);                                                     \
-            a0 += LOAD16(W + k) * xv;                                                   \
-            a1 += LOAD16(W + K + k) * xv;                                               \
-            a2 += LOAD16(W + 2 * K + k) * xv;                                           \
-            a3 += LOAD16(W + 3 * K + k) * xv;                                           \
+            a0 += LOAD16(r[0] + k) * xv;                                                \
+            a1 += LOAD16(r[1] + k) * xv;                                                \
+            a2 += LOAD16(r[2] + k) * xv;                                                \
+            a3 += LOAD16(r[3] + k) * xv;                                                \
         }                                                                               \
         float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};                          \
-        for (int r = 0; r < 4; r++) {                                                   \
-            for (int64_t kk = k; kk < K; kk++) s[r] += (float)W[r * K + kk] * x[kk];    \
-            y[r] = s[r];                                                                \
+        for (int q = 0; q < 4; q++) {                                                   \
+            for (int64_t kk = k; kk < K; kk++) s[q] += (float)r[q][kk] * x[kk];         \
+            y[q] = s[q];                                                                \
         }                                                                               \
     }
 
 DOT4(dot4, float, load16)
 DOT4(dot4_i8, int8_t, load16_i8)
 
-/* 16 weights of M from element `off` on, as floats (int8 codes converted in registers). */
 /* out[b] = row . X[b] for B <= MAX_TOKENS token vectors X [B, K]: the row is read once and
    multiplied with every token's vector while it is in registers. LOAD16 reads 16 weights as
    floats (float32 or int8 rows: one loop each, so neither pays for the other's branch). */
@@ -211,14 +192,24 @@ static inline float mdot(Mat M, int64_t i, const float* x, int64_t K) {
     return M.scale[i] * dot_i8((const int8_t*)M.data + i * K, x, K);
 }
 
-/* y[i..i+3] = M[i..i+3] . x (int8 rows scaled after the sum). */
-static inline void mdot4(Mat M, int64_t i, int64_t K, const float* x, float* y) {
+/* y[r] = M[rows[r]] . x for four row indices (int8 rows scaled after the sum). */
+static inline void mdot4_at(Mat M, const int64_t rows[4], int64_t K, const float* x, float* y) {
     if (!M.scale) {
-        dot4((const float*)M.data + i * K, K, x, y);
+        const float* W = (const float*)M.data;
+        const float* r[4] = {W + rows[0] * K, W + rows[1] * K, W + rows[2] * K, W + rows[3] * K};
+        dot4(r, K, x, y);
         return;
     }
-    dot4_i8((const int8_t*)M.data + i * K, K, x, y);
-    for (int r = 0; r < 4; r++) y[r] *= M.scale[i + r];
+    const int8_t* Q = (const int8_t*)M.data;
+    const int8_t* r[4] = {Q + rows[0] * K, Q + rows[1] * K, Q + rows[2] * K, Q + rows[3] * K};
+    dot4_i8(r, K, x, y);
+    for (int q = 0; q < 4; q++) y[q] *= M.scale[rows[q]];
+}
+
+/* y[i..i+3] = M[i..i+3] . x: four consecutive rows. */
+static inline void mdot4(Mat M, int64_t i, int64_t K, const float* x, float* y) {
+    const int64_t rows[4] = {i, i + 1, i + 2, i + 3};
+    mdot4_at(M, rows, K, x, y);
 }
 
 /* y = W x (+ b) over rows [0, N), split between the team's threads (called inside a parallel
@@ -453,7 +444,7 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
             rmsnorm(x, L->norm, L->eps, D, n);
             for (int64_t i = 0; i < D; i++) n[i] = slot(L->in, n[i]);
         }
-        if (predicted) {
+        if (predicted) {  /* z = pv act(pu n + pu_bias) + pv_bias */
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < R; r++) {
                 float z = dot(L->pu + r * D, n, D) + (L->pu_bias ? L->pu_bias[r] : 0.0f);
@@ -461,27 +452,32 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
             }
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++) a[j] = dot(L->pv + j * R, t, R) + L->pv_bias[j];
-        } else if (L->wg.scale) {  /* int8 gate: four rows at a time, as in mlp_step */
+        } else {  /* the dense gate decides: four rows at a time, as in mlp_step */
             gemv_rows(L->wg, 0, n, a, F, D);
             #pragma omp barrier
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, a[j]);
-        } else {
-            const float* wg = (const float*)L->wg.data;
-            #pragma omp for schedule(static)
-            for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, dot(wg + j * D, n, D));
         }
         #pragma omp single
         {
             for (int64_t j = 0; j < F; j++)
                 if (predicted ? a[j] > L->cutoff : fabsf(a[j]) > L->threshold) idx[count++] = j;
         }
-        #pragma omp for schedule(dynamic, 16)
-        for (int64_t i = 0; i < count; i++) {
-            int64_t j = idx[i], next = i + 1 < count ? idx[i + 1] : -1;
-            float g = a[j];
-            if (predicted) g = activate(L->act, mdot_next(L->wg, j, n, D, next));
-            hv[i] = g * mdot_next(L->wu, j, n, D, next);
+        /* gate (predictor mode) and up of the active neurons, four at a time: four row streams
+           in flight per matrix (a short tail group repeats its last row). */
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < (count + 3) / 4; q++) {
+            int64_t m = count - 4 * q < 4 ? count - 4 * q : 4, rows[4];
+            float g[4], u[4];
+            for (int r = 0; r < 4; r++) rows[r] = idx[4 * q + (r < m ? r : m - 1)];
+            if (predicted) {
+                mdot4_at(L->wg, rows, D, n, g);
+                for (int r = 0; r < 4; r++) g[r] = activate(L->act, g[r]);
+            } else {
+                for (int r = 0; r < 4; r++) g[r] = a[rows[r]];
+            }
+            mdot4_at(L->wu, rows, D, n, u);
+            for (int64_t r = 0; r < m; r++) hv[4 * q + r] = g[r] * u[r];
         }
         /* y = sum_i hv[i] W_down_t[idx[i]]: groups of GROUP rows summed in registers, each
            thread into its own partial sum, then the partials added to x. Int8 rows: the codes
