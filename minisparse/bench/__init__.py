@@ -6,6 +6,8 @@
   (chapter 07).
 * ``quant``: ``minisparse bench quant``, float32 / bfloat16 / int8 / int4 decode (chapter 09).
 * ``speculative``: ``minisparse bench speculative``, plain vs speculative decoding (chapter 10).
+* ``sparse_decode``: ``minisparse bench sparse-decode``, decode speed of a dense model and its
+  sparse version (ReLU + predictors, or TEAL thresholds) against the ceiling their bytes set.
 
 The harness (warm-up, variants interleaved within every repeat, medians, seconds per token,
 memory bandwidth, roofline) sits beside this package rather than in it: the library measures

@@ -432,8 +432,10 @@ def run(args: argparse.Namespace) -> int:
         working_set_mb=args.working_set_mb,
     )  # fmt: skip
     timing = "CUDA graph replays" if args.cuda_graphs else "eager calls"
-    print(f"device: {device}, threads: {torch.get_num_threads()}, dtype: {args.dtype}, {timing}, "
-          f"weights rotated through {args.working_set_mb:.0f} MB")
+    print(
+        f"device: {device}, threads: {torch.get_num_threads()}, dtype: {args.dtype}, {timing}, "
+        f"weights rotated through {args.working_set_mb:.0f} MB"
+    )
     print(format_table(rows, bandwidth))
     if args.json:
         payload = {"machine": about.as_dict(), "copy_bandwidth_gbs": bandwidth}
