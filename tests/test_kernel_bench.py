@@ -7,6 +7,7 @@ bookkeeping (bytes, ratios, per-token division).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import pytest
@@ -65,7 +66,7 @@ def test_every_call_reads_the_next_copy_of_the_weights(monkeypatch):
     for name, ptrs in seen.items():
         assert len(ptrs) == 6, name
         assert len(set(ptrs)) == 3, name  # three copies, in turn
-        assert all(a != b for a, b in zip(ptrs, ptrs[1:])), name
+        assert all(a != b for a, b in itertools.pairwise(ptrs)), name
 
 
 def test_random_active_sets_are_sorted_seeded_and_sized():
