@@ -7,7 +7,7 @@ each paying Python and dispatch costs in the tens of microseconds, and each para
 waking its threads again: milliseconds per token before any weight is read.
 
 ``Decoder`` removes that overhead without changing the model. It reads the model's own weights
-(``nn.Linear`` layout, no copies) and KV cache, and for every block runs
+(``nn.Linear`` layout, no copies but the one below) and KV cache, and for every block runs
 
     x += Attn(in(RMSNorm(x)))      one call of ``attn_step``  (q/k/v, RoPE, cache write,
                                    softmax over the cache, o_proj, residual)
@@ -16,8 +16,11 @@ waking its threads again: milliseconds per token before any weight is read.
 
 in C (``minisparse/kernels/decode_step.c``), each call one OpenMP parallel region whose threads
 split the rows of every matrix between them. Scratch memory is allocated once per decoder.
-Projections may be float32 or weight-only int8 (chapter 09's ``Int8Linear``: the codes are
-widened to floats in registers, a quarter of the bytes), and so may a ``SparseMLP``'s rows.
+A projection whose input passes a TEAL threshold is read input-major (a transposed copy made
+once per decoder): the rows of the zeroed inputs are never read, so a share s of zero inputs
+skips a share s of its bytes. Projections may be float32 or weight-only int8 (chapter 09's
+``Int8Linear``: the codes are widened to floats in registers, a quarter of the bytes), and so
+may a ``SparseMLP``'s rows.
 ``Decoder.forward`` takes up to ``MAX_TOKENS`` tokens at once and reads each weight once for
 all of them: the verification pass of speculative decoding (chapter 10) costs little more than
 one step.
@@ -117,11 +120,10 @@ class Decoder:
         sizes = [c.dim]
         for h in self.halves:
             if isinstance(h.c, AttnLayer):
-                sizes.append(
-                    lib.attn_scratch(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, h.c.max_seq)
-                )
+                shape = (c.dim, c.n_heads, c.n_kv_heads, c.head_dim, h.c.max_seq)
+                sizes.append(lib.attn_scratch(*shape, self.threads))
             elif isinstance(h.c, MlpLayer):
-                sizes.append(lib.mlp_scratch(h.c.dim, h.c.ffn))
+                sizes.append(lib.mlp_scratch(h.c.dim, h.c.ffn, self.threads))
             elif isinstance(h.c, SparseMlpLayer):
                 sizes.append(lib.sparse_mlp_scratch(h.c.dim, h.c.ffn, h.c.rank, self.threads))
         with torch.inference_mode(False):  # normal tensors: usable inside and outside it

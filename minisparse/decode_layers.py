@@ -9,7 +9,9 @@ modules the course uses (``Linear``, ``Int8Linear``, ``MLP``, ``SparseMLP`` with
 a chapter 06 predictor), and returns None for anything the C step does not know, so that
 ``minisparse.decode.Decoder`` runs that half as torch instead. The structs point into the
 modules' own tensors: nothing is copied, and the tensors a struct needs are kept alive in the
-``keep`` list the caller holds.
+``keep`` list the caller holds. One exception: a float32 projection whose input goes through a
+magnitude threshold (TEAL, chapter 03) is copied once, transposed ([in, out], ``in_major``), so
+that the C step reads one contiguous row per non-zero input and skips the rows of the zeros.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "mlp_layer",
     "plain_f32",
     "predictor_of",
+    "skips_zeros",
     "slot_of",
     "sparse_mlp_layer",
 ]
@@ -61,9 +64,10 @@ _i64, _flt, _i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 
 class Mat(ctypes.Structure):
-    """A weight matrix for C: float32 data (scale NULL), or int8 codes and float32 row scales."""
+    """A weight matrix for C: float32 data (scale NULL), or int8 codes and float32 row scales;
+    ``in_major``: the float32 transpose [in, out], read only at the rows of non-zero inputs."""
 
-    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("in_major", _i64)]
 
 
 class AttnLayer(ctypes.Structure):
@@ -112,8 +116,8 @@ class SparseMlpLayer(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.attn_scratch.argtypes, lib.attn_scratch.restype = [i64] * 5, i64
-    lib.mlp_scratch.argtypes, lib.mlp_scratch.restype = [i64, i64], i64
+    lib.attn_scratch.argtypes, lib.attn_scratch.restype = [i64] * 5 + [c_int], i64
+    lib.mlp_scratch.argtypes, lib.mlp_scratch.restype = [i64, i64, c_int], i64
     lib.sparse_mlp_scratch.argtypes = [i64, i64, i64, c_int]
     lib.sparse_mlp_scratch.restype = i64
     lib.attn_step.argtypes, lib.attn_step.restype = [p, p, i64, i64, p, c_int], c_int
@@ -203,13 +207,26 @@ def linear_ok(lin: nn.Module) -> bool:
     )
 
 
-def mat(lin: nn.Module, keep: list[Tensor]) -> Mat:
-    """The C view of a projection accepted by ``linear_ok``; ``keep`` holds what it points to."""
+def mat(lin: nn.Module, keep: list[Tensor], in_major: bool = False) -> Mat:
+    """The C view of a projection accepted by ``linear_ok``; ``keep`` holds what it points to.
+
+    ``in_major`` (float32 only; int8 rows stay as they are): a transposed copy, made here once,
+    so that C reads one contiguous row per input and skips the rows of zero inputs."""
     if type(lin) is not Int8Linear:
-        return Mat(lin.weight.data_ptr(), None)
+        if not in_major:
+            return Mat(lin.weight.data_ptr(), None, 0)
+        transposed = lin.weight.detach().t().contiguous()
+        keep.append(transposed)
+        return Mat(transposed.data_ptr(), None, 1)
     scale = lin.scale.float().contiguous()  # the layer keeps bfloat16 scales for torch's kernel
     keep.append(scale)
-    return Mat(lin.q.data_ptr(), scale.data_ptr())
+    return Mat(lin.q.data_ptr(), scale.data_ptr(), 0)
+
+
+def skips_zeros(slot: Slot, lin: nn.Module) -> bool:
+    """Read ``lin`` input-major: its input goes through a magnitude threshold (TEAL), which
+    zeroes a share of the inputs, and its weights are float32."""
+    return slot.threshold >= 0 and type(lin) is not Int8Linear
 
 
 def attn_layer(
@@ -239,7 +256,8 @@ def attn_layer(
         model.rope_scale,
         _ptr(layer.attn_norm.weight),
         _ptr(model.inv_freq),
-        *[mat(p, keep) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
+        *[mat(p, keep, skips_zeros(slot, p)) for p in (attn.q_proj, attn.k_proj, attn.v_proj)],
+        mat(attn.o_proj, keep),
         *[_ptr(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
         _ptr(cache.k),
         _ptr(cache.v),
@@ -261,12 +279,15 @@ def mlp_layer(layer: Block, keep: list[Tensor]) -> MlpLayer | SparseMlpLayer | N
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if act is None or down_in is None or not all(linear_ok(p) for p in projections):
         return None
+    gate_up = skips_zeros(slot, mlp.gate_proj) and skips_zeros(slot, mlp.up_proj)
     return MlpLayer(
         mlp.down_proj.out_features,
         mlp.gate_proj.out_features,
         norm.eps,
         _ptr(norm.weight),
-        *[mat(p, keep) for p in projections],
+        mat(mlp.gate_proj, keep, gate_up),
+        mat(mlp.up_proj, keep, gate_up),
+        mat(mlp.down_proj, keep, skips_zeros(down_in, mlp.down_proj)),
         *[_ptr(p.bias) for p in projections],
         act[0],
         act[1],
@@ -300,13 +321,13 @@ def sparse_weights(mlp: SparseMLP) -> list[Mat] | None:
     buffers are not in a layout the C step reads."""
     if not mlp.int8:
         weights = (mlp.W_gate, mlp.W_up, mlp.W_down_t)
-        return [Mat(w.data_ptr(), None) for w in weights] if plain_f32(*weights) else None
+        return [Mat(w.data_ptr(), None, 0) for w in weights] if plain_f32(*weights) else None
     codes, scales = (mlp.Q_gate, mlp.Q_up, mlp.Q_down_t), (mlp.s_gate, mlp.s_up, mlp.s_down)
     if not all(
         q.device.type == "cpu" and q.dtype == torch.int8 and q.is_contiguous() for q in codes
     ) or not plain_f32(*scales):
         return None
-    return [Mat(q.data_ptr(), s.data_ptr()) for q, s in zip(codes, scales, strict=True)]
+    return [Mat(q.data_ptr(), s.data_ptr(), 0) for q, s in zip(codes, scales, strict=True)]
 
 
 def sparse_mlp_layer(mlp: SparseMLP, norm: RMSNorm, slot: Slot) -> SparseMlpLayer | None:

@@ -7,6 +7,8 @@ Every case prefills a prompt into two caches, then decodes the same tokens with
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -258,4 +260,58 @@ def test_int8_weights_run_in_c_and_equal_their_dequantized_math():
         m.fast = False
     ref, got, decoder = decode_both(model)
     assert all_c(decoder)
+    assert_close(ref, got)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threshold", [0.0, 0.6, 1e9])  # nothing, about half, every input cut
+@pytest.mark.parametrize("overrides", [{}, {"dim": 40, "head_dim": 10, "ffn_dim": 37,
+                                            "attention_bias": True, "mlp_bias": True}])  # fmt: skip
+def test_teal_thresholds_read_only_the_rows_of_non_zero_inputs(threshold, overrides):
+    """TEAL at the inputs of q/k/v, gate/up and down: those projections are read input-major
+    (rows of zero inputs skipped), and steps and several-token calls equal the model's forward."""
+    model = tiny_model(seed=9, std=0.1, **overrides)
+    for layer in model.layers:
+        layer.attn_in_act = MagnitudeThreshold(nn.Identity(), threshold)
+        layer.mlp_in_act = MagnitudeThreshold(nn.Identity(), threshold)
+        layer.mlp.down_in_act = MagnitudeThreshold(nn.Identity(), threshold / 20)
+    ref, got, decoder = decode_both(model, steps=6)
+    assert all_c(decoder)
+    attn, mlp = decoder.halves[0].c, decoder.halves[1].c
+    assert [m.in_major for m in (attn.wq, attn.wk, attn.wv, attn.wo)] == [1, 1, 1, 0]
+    assert [m.in_major for m in (mlp.wg, mlp.wu, mlp.wd)] == [1, 1, 1]
+    assert_close(ref, got)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 12), generator=gen)
+    with torch.inference_mode():
+        for n in (3, 8):  # a verification pass: each input row read once for all n tokens
+            ref_cache, dec_cache = (make_kv_cache("static", model.config, 24) for _ in range(2))
+            model(tokens[:, :4], torch.arange(4), ref_cache)
+            model(tokens[:, :4], torch.arange(4), dec_cache)
+            ref = model(tokens[:, 4 : 4 + n], torch.arange(4, 4 + n), ref_cache)[0]
+            got = Decoder(model, dec_cache).forward(tokens[0, 4 : 4 + n].tolist(), 4)
+            assert_close(ref, got)
+
+
+@needs_compiler
+def test_teal_skips_the_bytes_of_zero_inputs():
+    """Input-major reading skips rows: with every input of down_proj cut, its weights are never
+    read, so NaN weights give what zero weights give (a row-major read would multiply 0 by NaN
+    and return NaN)."""
+    model = tiny_model(seed=10, std=0.1, mlp_bias=True)
+    for layer in model.layers:
+        layer.mlp.down_in_act = MagnitudeThreshold(nn.Identity(), 1e9)
+        with torch.no_grad():
+            layer.mlp.down_proj.weight.zero_()
+    poisoned = copy.deepcopy(model)
+    for layer in poisoned.layers:
+        with torch.no_grad():
+            layer.mlp.down_proj.weight.fill_(float("nan"))
+    tokens = [5, 9, 2, 7, 11, 3]
+    with torch.inference_mode():
+        ref = model(torch.tensor([tokens]), torch.arange(6), make_cache(model.config, 1, 8))[0]
+        decoder = Decoder(poisoned, make_cache(poisoned.config, 1, 8))
+        got = decoder.forward(tokens[:4], 0).clone()
+        got = torch.cat([got, decoder.forward(tokens[4:], 4)])
+    assert decoder.halves[1].c.wd.in_major == 1
     assert_close(ref, got)

@@ -48,10 +48,13 @@ static inline float hsum(v16 v) {
 
 /* A weight matrix [rows, cols], row-major: float32 (scale == NULL), or weight-only int8 codes
    with one float32 scale per row, w_ij = scale_i * q_ij (chapter 09's Int8Linear): a quarter of
-   the bytes to stream, turned into floats in registers. */
+   the bytes to stream, turned into floats in registers. With in_major, data is the transpose
+   W^T [cols, rows] (float32 only): one contiguous row per *input*, so that an input that is
+   zero (a TEAL threshold cut it) costs no bytes at all: its row is never read. */
 typedef struct {
     const void* data;
     const float* scale;
+    int64_t in_major;
 } Mat;
 
 /* What a projection's input goes through first: a ReLU and/or a magnitude threshold
@@ -227,11 +230,64 @@ static void gemv_rows(Mat W, const float* b, const float* x, float* y, int64_t N
     }
 }
 
+#define GROUP 8
+
+/* Y[b] = W X[b] (+ bias) for B tokens from W^T [K, N] (in_major): only the rows of inputs that
+   are non-zero for some token are read, so a share s of zero inputs skips a share s of the
+   bytes (TEAL's column sparsity). The threads split the inputs: each reads whole rows (one
+   long burst per input, which the memory system streams far better than the half rows an
+   output split would give each thread) and sums them, GROUP at a time in registers, into its
+   own partial Y in ``parts`` [threads, B, N]; then the partials are added. Every thread scans
+   its inputs for the non-zero ones itself: no index list is shared. Ends with a barrier (the
+   partials are reused by the next call). */
+static void gemm_cols(Mat W, const float* bias, const float* X, float* Y, int64_t B, int64_t N,
+                      int64_t K, float* parts) {
+    const float* Wt = (const float*)W.data;
+    const int64_t nt = THREADS(), t = THREAD_ID(), k1 = K * (t + 1) / nt;
+    float* part = parts + t * B * N;
+    for (int64_t i = 0; i < B * N; i++) part[i] = 0.0f;
+    int64_t rows[GROUP], g = 0;
+    for (int64_t k = K * t / nt; k <= k1; k++) {
+        if (k < k1) {
+            int any = 0;
+            for (int64_t b = 0; b < B; b++) any |= X[b * K + k] != 0.0f;
+            if (any) rows[g++] = k;
+            if (g < GROUP) continue;
+        }
+        for (int64_t b = 0; b < B; b++) {
+            float h[GROUP];
+            for (int64_t r = 0; r < g; r++) h[r] = X[b * K + rows[r]];
+            float* y = part + b * N;
+            int64_t c = 0;
+            for (; c + 16 <= N; c += 16) {
+                v16 acc = load16(y + c);
+                for (int64_t r = 0; r < g; r++) acc += h[r] * load16(Wt + rows[r] * N + c);
+                __builtin_memcpy(y + c, &acc, 64);
+            }
+            for (; c < N; c++)
+                for (int64_t r = 0; r < g; r++) y[c] += h[r] * Wt[rows[r] * N + c];
+        }
+        g = 0;
+    }
+    #pragma omp barrier
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < B * N; i++) {
+        float sum = bias ? bias[i % N] : 0.0f;
+        for (int64_t p = 0; p < nt; p++) sum += parts[p * B * N + i];
+        Y[i] = sum;
+    }
+}
+
 /* Y[b] = W X[b] (+ bias) for B tokens (X [B, K], Y [B, N]): each weight is read once for all B,
    so a few tokens cost about what one costs while the weights, not the arithmetic, are the
-   limit (speculative decoding's verification pass). No barrier at the end. */
+   limit (speculative decoding's verification pass). No barrier at the end. An input-major
+   matrix goes to gemm_cols (its partial sums in ``parts``; it ends with a barrier). */
 static void gemm_rows(Mat W, const float* bias, const float* X, float* Y, int64_t B, int64_t N,
-                      int64_t K) {
+                      int64_t K, float* parts) {
+    if (W.in_major) {
+        gemm_cols(W, bias, X, Y, B, N, K, parts);
+        return;
+    }
     if (B == 1) {
         gemv_rows(W, bias, X, Y, N, K);
         return;
@@ -261,11 +317,13 @@ static void rope(float* v, const float* cs, const float* sn, int64_t d) {
     }
 }
 
-/* Scratch floats attn_step needs for up to MAX_TOKENS tokens (allocated once by the caller). */
+/* Scratch floats attn_step needs for up to MAX_TOKENS tokens (allocated once by the caller),
+   with the per-thread partial sums of input-major projections at the end. */
 int64_t attn_scratch(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                     int64_t max_seq) {
+                     int64_t max_seq, int num_threads) {
+    int64_t widest = n_heads * head_dim > dim ? n_heads * head_dim : dim;
     return MAX_TOKENS * (dim + (2 * n_heads + 2 * n_kv_heads) * head_dim + head_dim
-                         + n_heads * max_seq);
+                         + n_heads * max_seq + (int64_t)num_threads * widest);
 }
 
 /* x[b] += attention block of B <= MAX_TOKENS consecutive tokens at positions pos .. pos + B - 1
@@ -283,6 +341,7 @@ int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scrat
     float* att = v + B * G * hd;      /* [B, H * hd] */
     float* cs = att + B * H * hd;     /* per token: cos [hd/2], then sin [hd/2] */
     float* scores = cs + B * hd;      /* [B, H, S] */
+    float* parts = scores + B * H * S;  /* [threads, B, max(H * hd, D)] */
     const float scale = 1.0f / sqrtf((float)hd);
     #pragma omp parallel num_threads(num_threads)
     {
@@ -296,9 +355,9 @@ int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scrat
                 cs[b * hd + hd / 2 + i] = sinf(angle) * L->rope_scale;
             }
         }
-        gemm_rows(L->wq, L->bq, n, q, B, H * hd, D);
-        gemm_rows(L->wk, L->bk, n, k, B, G * hd, D);
-        gemm_rows(L->wv, L->bv, n, v, B, G * hd, D);
+        gemm_rows(L->wq, L->bq, n, q, B, H * hd, D, parts);
+        gemm_rows(L->wk, L->bk, n, k, B, G * hd, D, parts);
+        gemm_rows(L->wv, L->bv, n, v, B, G * hd, D, parts);
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * (H + G); bh++) {
@@ -339,7 +398,7 @@ int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scrat
                 for (int64_t i = 0; i < hd; i++) o[i] += p * vt[i];
             }
         }
-        gemm_rows(L->wo, L->bo, att, q, B, D, H * hd);  /* q is free again: the output goes there */
+        gemm_rows(L->wo, L->bo, att, q, B, D, H * hd, parts);  /* q is free again: the output goes there */
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * D; i++) x[i] += q[i];
@@ -347,7 +406,10 @@ int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scrat
     return 0;
 }
 
-int64_t mlp_scratch(int64_t dim, int64_t ffn) { return MAX_TOKENS * (2 * dim + ffn); }
+/* Scratch floats mlp_step needs: norm, output, values, gate and up (input-major), partials. */
+int64_t mlp_scratch(int64_t dim, int64_t ffn, int num_threads) {
+    return MAX_TOKENS * (2 * dim + 3 * ffn + (int64_t)num_threads * (ffn > dim ? ffn : dim));
+}
 
 /* x[b] += gated MLP of B <= MAX_TOKENS tokens (dense). Returns 1 when B is out of range. */
 int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_threads) {
@@ -356,6 +418,8 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
     float* n = scratch;      /* [B, D] */
     float* y = n + B * D;    /* [B, D] */
     float* h = y + B * D;    /* [B, F] */
+    float* gu = h + B * F;   /* [2, B, F]: gate and up, when they are read input-major */
+    float* parts = gu + 2 * B * F;  /* [threads, B, max(F, D)] */
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
@@ -363,31 +427,41 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
             rmsnorm(x + b * D, L->norm, L->eps, D, n + b * D);
             for (int64_t i = 0; i < D; i++) n[b * D + i] = slot(L->in, n[b * D + i]);
         }
-        #pragma omp for schedule(static)
-        for (int64_t j = 0; j < F; j++) {
-            float g[MAX_TOKENS], u[MAX_TOKENS];
-            if (B == 1) {
-                g[0] = mdot(L->wg, j, n, D);
-                u[0] = mdot(L->wu, j, n, D);
-            } else {
-                mdot_tokens(L->wg, j, n, B, D, g);
-                mdot_tokens(L->wu, j, n, B, D, u);
-            }
-            for (int64_t b = 0; b < B; b++) {
-                float a = activate(L->act, g[b] + (L->bg ? L->bg[j] : 0.0f));
-                if (L->act_threshold >= 0.0f && fabsf(a) <= L->act_threshold) a = 0.0f;
-                h[b * F + j] = slot(L->down_in, a * (u[b] + (L->bu ? L->bu[j] : 0.0f)));
+        if (L->wg.in_major) {  /* TEAL on the MLP input: only the rows of non-zero inputs */
+            gemm_cols(L->wg, L->bg, n, gu, B, F, D, parts);
+            gemm_cols(L->wu, L->bu, n, gu + B * F, B, F, D, parts);
+            #pragma omp for schedule(static)
+            for (int64_t j = 0; j < F; j++)
+                for (int64_t b = 0; b < B; b++) {
+                    float a = activate(L->act, gu[b * F + j]);
+                    if (L->act_threshold >= 0.0f && fabsf(a) <= L->act_threshold) a = 0.0f;
+                    h[b * F + j] = slot(L->down_in, a * gu[(B + b) * F + j]);
+                }
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t j = 0; j < F; j++) {
+                float g[MAX_TOKENS], u[MAX_TOKENS];
+                if (B == 1) {
+                    g[0] = mdot(L->wg, j, n, D);
+                    u[0] = mdot(L->wu, j, n, D);
+                } else {
+                    mdot_tokens(L->wg, j, n, B, D, g);
+                    mdot_tokens(L->wu, j, n, B, D, u);
+                }
+                for (int64_t b = 0; b < B; b++) {
+                    float a = activate(L->act, g[b] + (L->bg ? L->bg[j] : 0.0f));
+                    if (L->act_threshold >= 0.0f && fabsf(a) <= L->act_threshold) a = 0.0f;
+                    h[b * F + j] = slot(L->down_in, a * (u[b] + (L->bu ? L->bu[j] : 0.0f)));
+                }
             }
         }
-        gemm_rows(L->wd, L->bd, h, y, B, D, F);
+        gemm_rows(L->wd, L->bd, h, y, B, D, F, parts);
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * D; i++) x[i] += y[i];
     }
     return 0;
 }
-
-#define GROUP 8
 
 /* part += sum_r h[r] W[rows[r]] over g <= GROUP rows of W [*, D] (float32 or int8 codes, one
    function each), summed in registers; the next group's rows (up to GROUP of `left`) are
@@ -515,7 +589,7 @@ int lm_head_step(const float* x, int64_t B, const float* norm, float eps, const 
     {
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) rmsnorm(x + b * dim, norm, eps, dim, scratch + b * dim);
-        gemm_rows(*w_out, 0, scratch, logits, B, vocab, dim);
+        gemm_rows(*w_out, 0, scratch, logits, B, vocab, dim, 0);  /* never input-major */
     }
     return 0;
 }
