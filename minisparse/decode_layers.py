@@ -9,15 +9,17 @@ modules the course uses (``Linear``, ``Int8Linear``, ``MLP``, ``SparseMLP`` with
 a chapter 06 predictor), and returns None for anything the C step does not know, so that
 ``minisparse.decode.Decoder`` runs that half as torch instead. The structs point into the
 modules' own tensors: nothing is copied, and the tensors a struct needs are kept alive in the
-``keep`` list the caller holds. One exception: a float32 projection whose input goes through a
-magnitude threshold (TEAL, chapter 03) is copied once, transposed ([in, out], ``in_major``), so
-that the C step reads one contiguous row per non-zero input and skips the rows of the zeros.
+``keep`` list the caller holds. One exception: float32 projections whose input goes through a
+magnitude threshold (TEAL, chapter 03) are copied once, transposed and bundled per input
+([in, q + k + v] or [in, gate + up], ``mats``), so that the C step reads one contiguous row per
+non-zero input for all of them and skips the rows of the zeros.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +45,7 @@ __all__ = [
     "hooked",
     "linear_ok",
     "mat",
+    "mats",
     "mlp_layer",
     "plain_f32",
     "predictor_of",
@@ -65,9 +68,10 @@ _i64, _flt, _i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 class Mat(ctypes.Structure):
     """A weight matrix for C: float32 data (scale NULL), or int8 codes and float32 row scales;
-    ``in_major``: the float32 transpose [in, out], read only at the rows of non-zero inputs."""
+    ``in_stride`` > 0: a float32 transpose, one row per input, rows ``in_stride`` floats apart
+    (bundled with the other projections of the same input), read only at non-zero inputs."""
 
-    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("in_major", _i64)]
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("in_stride", _i64)]
 
 
 class AttnLayer(ctypes.Structure):
@@ -207,26 +211,34 @@ def linear_ok(lin: nn.Module) -> bool:
     )
 
 
-def mat(lin: nn.Module, keep: list[Tensor], in_major: bool = False) -> Mat:
-    """The C view of a projection accepted by ``linear_ok``; ``keep`` holds what it points to.
-
-    ``in_major`` (float32 only; int8 rows stay as they are): a transposed copy, made here once,
-    so that C reads one contiguous row per input and skips the rows of zero inputs."""
+def mat(lin: nn.Module, keep: list[Tensor]) -> Mat:
+    """The C view of a projection accepted by ``linear_ok``; ``keep`` holds what it points to."""
     if type(lin) is not Int8Linear:
-        if not in_major:
-            return Mat(lin.weight.data_ptr(), None, 0)
-        transposed = lin.weight.detach().t().contiguous()
-        keep.append(transposed)
-        return Mat(transposed.data_ptr(), None, 1)
+        return Mat(lin.weight.data_ptr(), None, 0)
     scale = lin.scale.float().contiguous()  # the layer keeps bfloat16 scales for torch's kernel
     keep.append(scale)
     return Mat(lin.q.data_ptr(), scale.data_ptr(), 0)
 
 
-def skips_zeros(slot: Slot, lin: nn.Module) -> bool:
-    """Read ``lin`` input-major: its input goes through a magnitude threshold (TEAL), which
-    zeroes a share of the inputs, and its weights are float32."""
-    return slot.threshold >= 0 and type(lin) is not Int8Linear
+def skips_zeros(slot: Slot, *lins: nn.Module) -> bool:
+    """Read ``lins`` input-major: their input goes through a magnitude threshold (TEAL), which
+    zeroes a share of the inputs, and their weights are float32."""
+    return slot.threshold >= 0 and all(type(lin) is not Int8Linear for lin in lins)
+
+
+def mats(lins: Sequence[nn.Module], keep: list[Tensor], in_major: bool) -> list[Mat]:
+    """The C views of projections that share one input. ``in_major``: one bundled transposed
+    copy [in, sum of outs] made here once, [W_1^T | W_2^T | ...], so that C reads one contiguous
+    row per non-zero input for all of them (and no row of a zero input)."""
+    if not in_major:
+        return [mat(lin, keep) for lin in lins]
+    bundle = torch.cat([lin.weight.detach().t() for lin in lins], dim=1).contiguous()
+    keep.append(bundle)
+    offsets = [0]
+    for lin in lins[:-1]:
+        offsets.append(offsets[-1] + lin.weight.shape[0])
+    step = bundle.element_size()
+    return [Mat(bundle.data_ptr() + step * o, None, bundle.shape[1]) for o in offsets]
 
 
 def attn_layer(
@@ -246,6 +258,7 @@ def attn_layer(
         or not plain_f32(cache.k, cache.v, layer.attn_norm.weight, model.inv_freq)
     ):
         return None
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
     return AttnLayer(
         c.dim,
         c.n_heads,
@@ -256,7 +269,7 @@ def attn_layer(
         model.rope_scale,
         _ptr(layer.attn_norm.weight),
         _ptr(model.inv_freq),
-        *[mat(p, keep, skips_zeros(slot, p)) for p in (attn.q_proj, attn.k_proj, attn.v_proj)],
+        *mats(qkv, keep, skips_zeros(slot, *qkv)),
         mat(attn.o_proj, keep),
         *[_ptr(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)],
         _ptr(cache.k),
@@ -279,15 +292,14 @@ def mlp_layer(layer: Block, keep: list[Tensor]) -> MlpLayer | SparseMlpLayer | N
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if act is None or down_in is None or not all(linear_ok(p) for p in projections):
         return None
-    gate_up = skips_zeros(slot, mlp.gate_proj) and skips_zeros(slot, mlp.up_proj)
+    gate_up = (mlp.gate_proj, mlp.up_proj)
     return MlpLayer(
         mlp.down_proj.out_features,
         mlp.gate_proj.out_features,
         norm.eps,
         _ptr(norm.weight),
-        mat(mlp.gate_proj, keep, gate_up),
-        mat(mlp.up_proj, keep, gate_up),
-        mat(mlp.down_proj, keep, skips_zeros(down_in, mlp.down_proj)),
+        *mats(gate_up, keep, skips_zeros(slot, *gate_up)),
+        *mats([mlp.down_proj], keep, skips_zeros(down_in, mlp.down_proj)),
         *[_ptr(p.bias) for p in projections],
         act[0],
         act[1],

@@ -277,9 +277,11 @@ def test_teal_thresholds_read_only_the_rows_of_non_zero_inputs(threshold, overri
         layer.mlp.down_in_act = MagnitudeThreshold(nn.Identity(), threshold / 20)
     ref, got, decoder = decode_both(model, steps=6)
     assert all_c(decoder)
-    attn, mlp = decoder.halves[0].c, decoder.halves[1].c
-    assert [m.in_major for m in (attn.wq, attn.wk, attn.wv, attn.wo)] == [1, 1, 1, 0]
-    assert [m.in_major for m in (mlp.wg, mlp.wu, mlp.wd)] == [1, 1, 1]
+    attn, mlp, c = decoder.halves[0].c, decoder.halves[1].c, model.config
+    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim  # one bundled row per input
+    assert [m.in_stride for m in (attn.wq, attn.wk, attn.wv, attn.wo)] == [qkv] * 3 + [0]
+    assert [m.in_stride for m in (mlp.wg, mlp.wu, mlp.wd)] == [2 * c.ffn_dim] * 2 + [c.dim]
+    assert attn.wk.data - attn.wq.data == 4 * c.n_heads * c.head_dim
     assert_close(ref, got)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.config.vocab_size, (1, 12), generator=gen)
@@ -313,5 +315,5 @@ def test_teal_skips_the_bytes_of_zero_inputs():
         decoder = Decoder(poisoned, make_cache(poisoned.config, 1, 8))
         got = decoder.forward(tokens[:4], 0).clone()
         got = torch.cat([got, decoder.forward(tokens[4:], 4)])
-    assert decoder.halves[1].c.wd.in_major == 1
+    assert decoder.halves[1].c.wd.in_stride == model.config.dim
     assert_close(ref, got)

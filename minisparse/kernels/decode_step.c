@@ -48,13 +48,15 @@ static inline float hsum(v16 v) {
 
 /* A weight matrix [rows, cols], row-major: float32 (scale == NULL), or weight-only int8 codes
    with one float32 scale per row, w_ij = scale_i * q_ij (chapter 09's Int8Linear): a quarter of
-   the bytes to stream, turned into floats in registers. With in_major, data is the transpose
-   W^T [cols, rows] (float32 only): one contiguous row per *input*, so that an input that is
-   zero (a TEAL threshold cut it) costs no bytes at all: its row is never read. */
+   the bytes to stream, turned into floats in registers. With in_stride > 0, data is instead a
+   transpose (float32 only), one row per *input*, rows in_stride floats apart: an input that is
+   zero (a TEAL threshold cut it) costs no bytes, since its row is never read. Projections that
+   share an input (q, k, v; gate, up) share one bundled row per input, [W_q^T | W_k^T | W_v^T]:
+   one long burst instead of three short ones. */
 typedef struct {
     const void* data;
     const float* scale;
-    int64_t in_major;
+    int64_t in_stride;
 } Mat;
 
 /* What a projection's input goes through first: a ReLU and/or a magnitude threshold
@@ -232,20 +234,23 @@ static void gemv_rows(Mat W, const float* b, const float* x, float* y, int64_t N
 
 #define GROUP 8
 
-/* Y[b] = W X[b] (+ bias) for B tokens from W^T [K, N] (in_major): only the rows of inputs that
-   are non-zero for some token are read, so a share s of zero inputs skips a share s of the
-   bytes (TEAL's column sparsity). The threads split the inputs: each reads whole rows (one
-   long burst per input, which the memory system streams far better than the half rows an
-   output split would give each thread) and sums them, GROUP at a time in registers, into its
-   own partial Y in ``parts`` [threads, B, N]; then the partials are added. Every thread scans
-   its inputs for the non-zero ones itself: no index list is shared. Ends with a barrier (the
-   partials are reused by the next call). */
-static void gemm_cols(Mat W, const float* bias, const float* X, float* Y, int64_t B, int64_t N,
-                      int64_t K, float* parts) {
-    const float* Wt = (const float*)W.data;
+/* Up to three projections that share their input, from one bundled input-major matrix Wt
+   [K, S] (projection p: columns off_p .. off_p + N[p], off_p = N[0] + .. + N[p - 1]):
+   Y_p[b] = W_p X[b] (+ bias_p) for B tokens. Only the rows of inputs that are non-zero for
+   some token are read, so a share s of zero inputs skips a share s of the bytes (TEAL's column
+   sparsity). The threads split the inputs: each reads whole rows (one long burst per input,
+   which the memory system streams far better than pieces of rows) and sums them, GROUP at a
+   time in registers, into its own partial [B, sum N] in ``parts``; then the partials are
+   added. Every thread finds its own non-zero inputs: no index list is shared. Ends with a
+   barrier (the partials are reused by the next call). */
+static void gemm_cols(const float* Wt, int64_t S, int n_proj, const int64_t* N, float* const* Y,
+                      const float* const* bias, const float* X, int64_t B, int64_t K,
+                      float* parts) {
+    int64_t total = 0;
+    for (int p = 0; p < n_proj; p++) total += N[p];
     const int64_t nt = THREADS(), t = THREAD_ID(), k1 = K * (t + 1) / nt;
-    float* part = parts + t * B * N;
-    for (int64_t i = 0; i < B * N; i++) part[i] = 0.0f;
+    float* part = parts + t * B * total;
+    for (int64_t i = 0; i < B * total; i++) part[i] = 0.0f;
     int64_t rows[GROUP], g = 0;
     for (int64_t k = K * t / nt; k <= k1; k++) {
         if (k < k1) {
@@ -257,24 +262,26 @@ static void gemm_cols(Mat W, const float* bias, const float* X, float* Y, int64_
         for (int64_t b = 0; b < B; b++) {
             float h[GROUP];
             for (int64_t r = 0; r < g; r++) h[r] = X[b * K + rows[r]];
-            float* y = part + b * N;
+            float* y = part + b * total;
             int64_t c = 0;
-            for (; c + 16 <= N; c += 16) {
+            for (; c + 16 <= total; c += 16) {
                 v16 acc = load16(y + c);
-                for (int64_t r = 0; r < g; r++) acc += h[r] * load16(Wt + rows[r] * N + c);
+                for (int64_t r = 0; r < g; r++) acc += h[r] * load16(Wt + rows[r] * S + c);
                 __builtin_memcpy(y + c, &acc, 64);
             }
-            for (; c < N; c++)
-                for (int64_t r = 0; r < g; r++) y[c] += h[r] * Wt[rows[r] * N + c];
+            for (; c < total; c++)
+                for (int64_t r = 0; r < g; r++) y[c] += h[r] * Wt[rows[r] * S + c];
         }
         g = 0;
     }
     #pragma omp barrier
     #pragma omp for schedule(static)
-    for (int64_t i = 0; i < B * N; i++) {
-        float sum = bias ? bias[i % N] : 0.0f;
-        for (int64_t p = 0; p < nt; p++) sum += parts[p * B * N + i];
-        Y[i] = sum;
+    for (int64_t i = 0; i < B * total; i++) {
+        int64_t b = i / total, c = i % total, p = 0;
+        while (c >= N[p]) c -= N[p++];
+        float sum = bias[p] ? bias[p][c] : 0.0f;
+        for (int64_t q = 0; q < nt; q++) sum += parts[q * B * total + i];
+        Y[p][b * N[p] + c] = sum;
     }
 }
 
@@ -284,8 +291,8 @@ static void gemm_cols(Mat W, const float* bias, const float* X, float* Y, int64_
    matrix goes to gemm_cols (its partial sums in ``parts``; it ends with a barrier). */
 static void gemm_rows(Mat W, const float* bias, const float* X, float* Y, int64_t B, int64_t N,
                       int64_t K, float* parts) {
-    if (W.in_major) {
-        gemm_cols(W, bias, X, Y, B, N, K, parts);
+    if (W.in_stride) {
+        gemm_cols((const float*)W.data, W.in_stride, 1, &N, &Y, &bias, X, B, K, parts);
         return;
     }
     if (B == 1) {
@@ -321,7 +328,7 @@ static void rope(float* v, const float* cs, const float* sn, int64_t d) {
    with the per-thread partial sums of input-major projections at the end. */
 int64_t attn_scratch(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                      int64_t max_seq, int num_threads) {
-    int64_t widest = n_heads * head_dim > dim ? n_heads * head_dim : dim;
+    int64_t qkv = (n_heads + 2 * n_kv_heads) * head_dim, widest = qkv > dim ? qkv : dim;
     return MAX_TOKENS * (dim + (2 * n_heads + 2 * n_kv_heads) * head_dim + head_dim
                          + n_heads * max_seq + (int64_t)num_threads * widest);
 }
@@ -341,7 +348,7 @@ int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scrat
     float* att = v + B * G * hd;      /* [B, H * hd] */
     float* cs = att + B * H * hd;     /* per token: cos [hd/2], then sin [hd/2] */
     float* scores = cs + B * hd;      /* [B, H, S] */
-    float* parts = scores + B * H * S;  /* [threads, B, max(H * hd, D)] */
+    float* parts = scores + B * H * S;  /* [threads, B, max((H + 2 G) hd, D)] */
     const float scale = 1.0f / sqrtf((float)hd);
     #pragma omp parallel num_threads(num_threads)
     {
@@ -355,9 +362,16 @@ int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scrat
                 cs[b * hd + hd / 2 + i] = sinf(angle) * L->rope_scale;
             }
         }
-        gemm_rows(L->wq, L->bq, n, q, B, H * hd, D, parts);
-        gemm_rows(L->wk, L->bk, n, k, B, G * hd, D, parts);
-        gemm_rows(L->wv, L->bv, n, v, B, G * hd, D, parts);
+        if (L->wq.in_stride) {  /* TEAL: q, k, v from one bundled row per non-zero input */
+            const int64_t N[3] = {H * hd, G * hd, G * hd};
+            float* const Y[3] = {q, k, v};
+            const float* const bias[3] = {L->bq, L->bk, L->bv};
+            gemm_cols((const float*)L->wq.data, L->wq.in_stride, 3, N, Y, bias, n, B, D, parts);
+        } else {
+            gemm_rows(L->wq, L->bq, n, q, B, H * hd, D, parts);
+            gemm_rows(L->wk, L->bk, n, k, B, G * hd, D, parts);
+            gemm_rows(L->wv, L->bv, n, v, B, G * hd, D, parts);
+        }
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * (H + G); bh++) {
@@ -408,7 +422,7 @@ int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scrat
 
 /* Scratch floats mlp_step needs: norm, output, values, gate and up (input-major), partials. */
 int64_t mlp_scratch(int64_t dim, int64_t ffn, int num_threads) {
-    return MAX_TOKENS * (2 * dim + 3 * ffn + (int64_t)num_threads * (ffn > dim ? ffn : dim));
+    return MAX_TOKENS * (2 * dim + 3 * ffn + (int64_t)num_threads * (2 * ffn > dim ? 2 * ffn : dim));
 }
 
 /* x[b] += gated MLP of B <= MAX_TOKENS tokens (dense). Returns 1 when B is out of range. */
@@ -419,7 +433,7 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
     float* y = n + B * D;    /* [B, D] */
     float* h = y + B * D;    /* [B, F] */
     float* gu = h + B * F;   /* [2, B, F]: gate and up, when they are read input-major */
-    float* parts = gu + 2 * B * F;  /* [threads, B, max(F, D)] */
+    float* parts = gu + 2 * B * F;  /* [threads, B, max(2 F, D)] */
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
@@ -427,9 +441,11 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
             rmsnorm(x + b * D, L->norm, L->eps, D, n + b * D);
             for (int64_t i = 0; i < D; i++) n[b * D + i] = slot(L->in, n[b * D + i]);
         }
-        if (L->wg.in_major) {  /* TEAL on the MLP input: only the rows of non-zero inputs */
-            gemm_cols(L->wg, L->bg, n, gu, B, F, D, parts);
-            gemm_cols(L->wu, L->bu, n, gu + B * F, B, F, D, parts);
+        if (L->wg.in_stride) {  /* TEAL: gate and up from one bundled row per non-zero input */
+            const int64_t N[2] = {F, F};
+            float* const Y[2] = {gu, gu + B * F};
+            const float* const bias[2] = {L->bg, L->bu};
+            gemm_cols((const float*)L->wg.data, L->wg.in_stride, 2, N, Y, bias, n, B, D, parts);
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++)
                 for (int64_t b = 0; b < B; b++) {
