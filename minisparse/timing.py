@@ -17,7 +17,10 @@ Rules every benchmark in the course follows:
 * on CUDA, synchronise before reading the clock: kernel launches are asynchronous.
 
 ``interleaved_times`` is the one loop that does this; ``interleaved_medians``, ``median_time``,
-``interleaved_per_token`` and ``interleaved_decode`` are views of its result.
+``per_token_rounds``, ``interleaved_per_token`` and ``interleaved_decode`` are views of its
+result. A speedup between two variants is best taken pairwise, round by round
+(``ModelSpeed.paired_speedup``): on a machine whose speed drifts, the two runs of one round
+see the same machine.
 
 The roofline at batch 1: a decode step reads every weight once, so its time is at least
 ``bytes_moved / bandwidth``. A kernel that skips a fraction s of the weights can at best take
@@ -29,7 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -42,6 +45,7 @@ __all__ = [
     "interleaved_per_token",
     "interleaved_times",
     "median_time",
+    "per_token_rounds",
     "read_bandwidth",
     "roofline_seconds",
     "synchronize",
@@ -117,6 +121,18 @@ def interleaved_per_token(
     Each repeat's time is divided by that repeat's token count (at least 1), then the median is
     taken: seconds per token = median_r(t_r / n_r).
     """
+    rounds = per_token_rounds(runs, repeats, warmup, device, progress)
+    return {name: statistics.median(values) for name, values in rounds.items()}
+
+
+def per_token_rounds(
+    runs: dict[str, Callable[[], int]],
+    repeats: int = 5,
+    warmup: int = 1,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, list[float]]:
+    """Seconds per token of each run in every kept round, t_r / n_r (``interleaved_times``)."""
     counts: dict[str, list[int]] = {name: [] for name in runs}
 
     def counted(name: str, run: Callable[[], int]) -> Callable[[], None]:
@@ -128,19 +144,26 @@ def interleaved_per_token(
     fns = {name: counted(name, run) for name, run in runs.items()}
     times = interleaved_times(fns, repeats, warmup, device, progress)
     return {
-        name: statistics.median(
-            t / n for t, n in zip(times[name], counts[name][warmup:], strict=True)
-        )
+        name: [t / n for t, n in zip(times[name], counts[name][warmup:], strict=True)]
         for name in runs
     }
 
 
 @dataclass
 class ModelSpeed:
-    """Greedy decode speed of one variant, and the tokens it produced."""
+    """Greedy decode speed of one variant, its tokens, and its seconds per token per round."""
 
     tok_s: float
     tokens: list[int]
+    rounds: list[float] = field(default_factory=list)
+
+    def paired_speedup(self, reference: ModelSpeed) -> float:
+        """Median over rounds of reference / own seconds per token. The two ran back to back in
+        each round, so a change of the machine's speed that spans a round cancels in the pair;
+        a ratio of the two medians would keep it when the rounds of the two fall in different
+        phases of a noisy machine."""
+        pairs = zip(reference.rounds, self.rounds, strict=True)
+        return statistics.median(ref / own for ref, own in pairs)
 
 
 def interleaved_decode(
@@ -152,7 +175,7 @@ def interleaved_decode(
 ) -> dict[str, ModelSpeed]:
     """Tokens/s of decode functions (each returns its new tokens), timed in turn per repeat.
 
-    ``interleaved_per_token`` times every function once per repeat, so that machine noise hits
+    ``per_token_rounds`` times every function once per repeat, so that machine noise hits
     them alike; a function's speed is one over its median seconds per token, and its tokens are
     those of its last call.
     """
@@ -166,8 +189,11 @@ def interleaved_decode(
         return call
 
     fns = {name: kept(name, run) for name, run in runs.items()}
-    per_token = interleaved_per_token(fns, repeats, warmup, device, progress)
-    return {name: ModelSpeed(1.0 / per_token[name], tokens[name]) for name in runs}
+    rounds = per_token_rounds(fns, repeats, warmup, device, progress)
+    return {
+        name: ModelSpeed(1.0 / statistics.median(rounds[name]), tokens[name], rounds[name])
+        for name in runs
+    }
 
 
 def copy_bandwidth(

@@ -166,3 +166,21 @@ def test_per_token_is_the_median_of_each_repeat_over_its_tokens(monkeypatch):
     monkeypatch.setattr(timing.time, "perf_counter", iter([0.0, 2.0, 4.0]).__next__)
     speed = timing.interleaved_decode({"m": lambda: next(tokens)}, 1, 1, progress=False)["m"]
     assert speed.tok_s == 2.0 and speed.tokens == [1, 2, 3, 4]  # 4 tokens in 2 seconds
+
+
+def test_paired_speedup_is_the_median_of_the_ratios_within_rounds():
+    """A machine twice as slow during round 3 slows both runs of that round: the pairs keep the
+    speedup at 2, while the ratio of the two medians (4 / 3) would not."""
+    reference = timing.ModelSpeed(0.25, [], [2.0, 4.0, 10.0])
+    faster = timing.ModelSpeed(1 / 3, [], [1.0, 4.0, 3.0])
+    assert faster.paired_speedup(reference) == pytest.approx(2.0)
+    with pytest.raises(ValueError):  # the rounds must pair up
+        faster.paired_speedup(timing.ModelSpeed(1.0, [], [1.0]))
+
+
+def test_per_token_rounds_divide_each_round_by_its_tokens(monkeypatch):
+    clock = iter([0.0, 1.0, 3.0, 3.0, 7.0])  # a warm-up round (start only), then 2 s and 4 s
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    counts = iter([4, 2, 8])
+    rounds = timing.per_token_rounds({"a": lambda: next(counts)}, repeats=2, warmup=1)
+    assert rounds == {"a": [1.0, 0.5]}  # 2 s / 2 tokens, 4 s / 8; the warm-up's 4 dropped

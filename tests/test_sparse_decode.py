@@ -92,7 +92,7 @@ def test_bench_reports_the_same_tokens_and_a_ceiling_above_one():
         dense, sparse, PROMPT, eval_ids, max_new_tokens=12, repeats=2, progress=False
     )
     assert r.same_tokens and r.new_tokens == 12 and r.ppl_dense == pytest.approx(r.ppl_sparse)
-    assert r.ratio == pytest.approx(r.sparse_tok_s / r.dense_tok_s)
+    assert 0 < r.ratio < float("inf")  # paired per round: tests/test_kernel_bench.py
     assert r.ceiling == pytest.approx(r.dense_mb_per_token / r.sparse_mb_per_token)
     saved = r.sparsity * 2 * 4 * 48 * 80  # the mean share of both layers' down inputs
     assert r.sparse_mb_per_token == pytest.approx((step_bytes(dense) - saved) / 1e6)

@@ -23,7 +23,9 @@ import contextlib
 import copy
 import json
 import math
+import shlex
 import sys
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -251,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if method == "shape":
         body["rows"] = rows
     body["machine"] = about.as_dict()
+    body["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    body["command"] = "minisparse " + shlex.join(getattr(args, "argv", []))
     text = "\n".join(f"sparsity {r.sparsity:.0%}:\n{_table(r)}" for r in results)
     print(json.dumps(body) if args.json else (text if method == "shape" else _table(results[0])),
           file=out)  # fmt: skip

@@ -76,13 +76,12 @@ class SparseDecodeResult:
     ppl_sparse: float
     sparsity: float  # mean share of skipped inputs (per site and layer) or neurons (per layer)
     same_tokens: bool  # the two greedy token lists, first token included, are equal
+    ratio: float  # sparse / dense speed, paired per round (``ModelSpeed.paired_speedup``)
     site_sparsity: dict[str, float] = field(default_factory=dict)  # the mean of each site
-    ratio: float = field(init=False)  # sparse / dense tokens/s
     ceiling: float = field(init=False)  # dense / sparse bytes per token
     share_of_ceiling: float = field(init=False)  # ratio / ceiling
 
     def __post_init__(self) -> None:
-        self.ratio = self.sparse_tok_s / self.dense_tok_s
         self.ceiling = self.dense_mb_per_token / self.sparse_mb_per_token
         self.share_of_ceiling = self.ratio / self.ceiling
 
@@ -222,5 +221,6 @@ def bench_sparse_decode(
         ppl_sparse=ppl[1],
         sparsity=sum(values) / len(values) if values else 0.0,
         same_tokens=tokens["dense"] == tokens["sparse"],
+        ratio=speeds["sparse"].paired_speedup(speeds["dense"]),
         site_sparsity={site: sum(v) / len(v) for site, v in means.items() if v},
     )
