@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..checks import check_count
 from ..data import corpus, encode, token_batches
-from ..engine import EngineConfig, build, sparse_model
+from ..engine import load_selector, sparse_model
 from ..generate import encode_prompt
 from ..hooks import capture_inputs
 from ..machine import machine
@@ -185,9 +185,10 @@ def _check_arguments(args: argparse.Namespace) -> str:
 def _make_models(method: str, base: Transformer, tokenizer: Any, calibration: Tensor,
                  sparsity: float) -> tuple[Transformer, Transformer]:  # fmt: skip
     """(dense, sparse) for ``method``; ``calibration`` and ``sparsity`` serve ``teal`` only."""
-    if method == "relu-predictors":
-        config = EngineConfig(sparsity="relu", predictors=str(_relu_predictors()))
-        return load_relufied(base, 1)[0], build(base, tokenizer, config).model
+    if method == "relu-predictors":  # the ReLU model, loaded once, and its sparse version
+        relu = load_relufied(base, 1)[0]
+        select = load_selector(relu, str(_relu_predictors()))
+        return relu, sparse_model(relu, None, select, kernels=True)
     sparse, sites = copy.deepcopy(base), tuple(SITE_PROJECTIONS)
     limits = calibrate_thresholds(sparse, calibration, sparsity, sites=sites, progress=False)
     return base, apply_thresholds_(sparse, limits)

@@ -33,6 +33,7 @@ from ..decode import Decoder
 from ..engine import step_bytes
 from ..eval import perplexity
 from ..generate import check_length
+from ..hooks import capture_outputs, zero_fraction
 from ..kvcache import make_kv_cache
 from ..model import Transformer
 from ..predictors import Predictors
@@ -163,24 +164,22 @@ def site_zero_shares(model: Transformer, prompt_ids: list[int], tokens: list[int
     """Per site, per layer: the share of zeros its threshold module (0 without) output while the
     model, as torch modules, stepped through ``tokens``, ``tokens[i]`` at len(prompt) + i."""
     kv, _ = _prefill(model, prompt_ids, len(tokens))
-    counts = {site: [[0, 0] for _ in model.layers] for site in SITE_PROJECTIONS}
-    handles = []
-    for site, per_layer in counts.items():
-        for layer, c in zip(model.layers, per_layer, strict=True):
+    modules = {}
+    for site in SITE_PROJECTIONS:
+        for i, layer in enumerate(model.layers):
             owner, name = SLOTS[site](layer)
             if isinstance(module := getattr(owner, name), MagnitudeThreshold):
-
-                def hook(_m: nn.Module, _a: Any, y: Tensor, c: list[int] = c) -> None:
-                    c[0], c[1] = c[0] + int((y == 0).sum()), c[1] + y.numel()
-
-                handles.append(module.register_forward_hook(hook))
-    try:
+                modules[f"{site}.{i}"] = module
+    with capture_outputs(modules) as outputs:  # hooks see only the decode steps below
         for i, t in enumerate(tokens):
             model(torch.tensor([[t]]), torch.tensor([len(prompt_ids) + i]), kv)
-    finally:
-        for h in handles:
-            h.remove()
-    return {site: [z / n if n else 0.0 for z, n in c] for site, c in counts.items()}
+    return {
+        site: [
+            zero_fraction(torch.cat(outputs[key])) if (key := f"{site}.{i}") in outputs else 0.0
+            for i in range(len(model.layers))
+        ]
+        for site in SITE_PROJECTIONS
+    }
 
 
 def bench_sparse_decode(
