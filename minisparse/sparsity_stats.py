@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .eval import mean_nll
+from .hooks import capture_outputs
 from .model import Transformer
 
 SITES = ("attn_in", "mlp_in", "mlp_act", "down_in", "heads")
@@ -303,11 +304,28 @@ def record(
 
 
 def measure(model: Transformer, eval_ids: torch.Tensor, seq_len: int = 256) -> dict[str, float]:
-    """Held-out perplexity and the share of exact zeros at each site, in one pass."""
-    with recording(model, tuple(SLOTS)) as stats:
+    """Held-out perplexity and the share of exact zeros at each site, in one pass.
+
+    The zeros at a site are the mean over layers of each layer's share (as
+    ``SparsityStats.zero_fraction``); only the counts are kept, not ``record``'s histograms.
+    """
+    n = len(model.layers)
+    slots = {f"{site}.{i}": getattr(*SLOTS[site](layer)) for site in SLOTS
+             for i, layer in enumerate(model.layers)}  # fmt: skip
+    with capture_outputs(slots, reduce=zero_count) as counts:
         nll = mean_nll(model, eval_ids, seq_len=seq_len, progress=False)
-    zeros = {f"zeros_{site}": stats.mean(stats.zero_fraction(site)) for site in SLOTS}
+
+    def share(key: str) -> float:
+        zeros, entries = torch.stack(counts[key]).sum(0).tolist()
+        return zeros / max(entries, 1)
+
+    zeros = {f"zeros_{site}": sum(share(f"{site}.{i}") for i in range(n)) / n for site in SLOTS}
     return {"ppl": math.exp(nll), **zeros}
+
+
+def zero_count(x: Tensor) -> Tensor:
+    """[exact zeros, entries] of x, as float64 (exact for counts below 2**53)."""
+    return torch.tensor([float((x == 0).sum()), float(x.numel())], dtype=torch.float64)
 
 
 __all__ = [
@@ -330,4 +348,5 @@ __all__ = [
     "recording",
     "site_width",
     "top_share",
+    "zero_count",
 ]

@@ -214,6 +214,19 @@ def test_llama_cpp_row_uses_the_optional_package_when_present(monkeypatch):
     assert rate is not None and rate > 0
     assert calls[0] == ("init", "m.gguf", 2)
     assert calls.count(("run", "hi", 8, 0.0, 1)) == 4  # one warm-up and three timed runs
+    order = []
+
+    def ours():
+        order.append("ours")
+        return 8
+
+    fake.Llama.__call__ = lambda self, *a, **k: (
+        order.append("llama") or {"usage": {"completion_tokens": 8}}
+    )
+    mine, theirs = bench.llama_cpp_decode("m.gguf", "hi", 8, repeats=3, alongside=ours)
+    assert mine > 0 and theirs > 0
+    assert order.count("ours") == order.count("llama") == 4  # alternating, warm-up included
+    assert all(set(order[i : i + 2]) == {"ours", "llama"} for i in range(0, 8, 2))  # per round
     monkeypatch.delitem(sys.modules, "llama_cpp")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert bench.llama_cpp_decode("m.gguf", "hi") is None

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_model
 from minisparse import sparsity as S
+from minisparse.eval import mean_nll
 from minisparse.hooks import capture_outputs
 from minisparse.model import flops_per_token
 from minisparse.relufy import relufy
@@ -81,6 +82,19 @@ def test_recorded_statistics_equal_direct_computation(stage):
         assert min(stats.zero_fraction("attn_in")) > 0.2
     else:
         assert max(stats.zero_fraction("attn_in")) == 0.0
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_measure_counts_the_zeros_of_every_site_and_the_perplexity(stage):
+    model = tiny() if stage == 0 else relufy(tiny(), stage)
+    ids = tokens(3, (64,))
+    got = S.measure(model, ids, seq_len=16)
+    full = full_site_tensors(model, ids.view(4, 16))
+    for site in S.SLOTS:
+        direct = sum(float((x == 0).double().mean()) for x in full[site]) / 3
+        assert got[f"zeros_{site}"] == pytest.approx(direct, abs=1e-12)
+    assert got["ppl"] == pytest.approx(math.exp(mean_nll(model, ids, seq_len=16, progress=False)))
+    assert (got["zeros_attn_in"] > 0.2) == (stage == 2)
 
 
 def test_sites_see_what_the_projections_see():

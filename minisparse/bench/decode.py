@@ -45,6 +45,7 @@ __all__ = [
     "bench_decode_sparse",
     "hf_greedy",
     "llama_cpp_decode",
+    "llama_cpp_run",
     "main",
     "print_llama_cpp_row",
     "run",
@@ -210,19 +211,11 @@ def bench_decode_sparse(
     )
 
 
-def llama_cpp_decode(
-    gguf: str | Path,
-    prompt: str,
-    max_new_tokens: int = 64,
-    repeats: int = 5,
-    threads: int | None = None,
-) -> float | None:
-    """Greedy decode tokens/s of llama.cpp on the same GGUF file, or None without it.
-
-    llama.cpp comes from the optional ``llama-cpp-python`` package (never needed by the tests).
-    Like ``bench_decode``, each run times the whole call, prompt included, per new token; the
-    median of ``repeats`` runs after one warm-up.
-    """
+def llama_cpp_run(
+    gguf: str | Path, prompt: str, max_new_tokens: int, threads: int | None = None
+) -> Callable[[], int] | None:
+    """A function that decodes ``prompt`` greedily with llama.cpp on ``gguf`` (a fresh context
+    each call) and returns how many tokens it made; None without ``llama-cpp-python``."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     from llama_cpp import Llama
@@ -239,8 +232,34 @@ def llama_cpp_decode(
         out = llm(prompt, max_tokens=max_new_tokens, temperature=0.0, top_k=1)
         return out["usage"]["completion_tokens"]
 
-    seconds = interleaved_per_token({"llama.cpp": run}, repeats=repeats, warmup=1)
-    return 1.0 / seconds["llama.cpp"]
+    return run
+
+
+def llama_cpp_decode(
+    gguf: str | Path,
+    prompt: str,
+    max_new_tokens: int = 64,
+    repeats: int = 5,
+    threads: int | None = None,
+    alongside: Callable[[], int] | None = None,
+) -> float | tuple[float, float] | None:
+    """Greedy decode tokens/s of llama.cpp on the same GGUF file, or None without it.
+
+    llama.cpp comes from the optional ``llama-cpp-python`` package (never needed by the tests).
+    Like ``bench_decode``, each run times the whole call, prompt included, per new token; the
+    median of ``repeats`` runs after one warm-up. With ``alongside`` (a decode function that
+    returns its token count, such as minisparse's own ``generate`` on the same prompt) the two
+    alternate within every repeat and the result is (its tok/s, llama.cpp's tok/s): a ratio
+    from one run, not from two runs minutes apart on a machine whose speed drifts.
+    """
+    run = llama_cpp_run(gguf, prompt, max_new_tokens, threads)
+    if run is None:
+        return None
+    runs = {"llama.cpp": run} | ({"alongside": alongside} if alongside is not None else {})
+    seconds = interleaved_per_token(runs, repeats=repeats, warmup=1)
+    if alongside is None:
+        return 1.0 / seconds["llama.cpp"]
+    return 1.0 / seconds["alongside"], 1.0 / seconds["llama.cpp"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,6 +273,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--weights",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help="our weights in the llama.cpp comparison (int8: beside a q8_0 GGUF file)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -282,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         "minisparse (torch modules, F.linear)": (lambda m: m, False),
         "minisparse (torch modules, streaming)": (use_streaming_gemv, False),
     }
+    llama_cpp = print_llama_cpp_row(args, model, tokenizer)  # before the variants change model
     rows = {}
     for name, (setup, compiled) in variants.items():
         r = bench_decode(
@@ -295,12 +321,13 @@ def run(args: argparse.Namespace) -> int:
             f"same tokens: {r.same_tokens}",
             flush=True,
         )
-    llama_cpp = print_llama_cpp_row(args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k not in ("func", "json")}
         payload = {"machine": about.as_dict(), "settings": settings, "rows": rows}
-        payload["llama_cpp_tok_s"] = llama_cpp
+        payload["weights"] = args.weights
+        payload["minisparse_beside_llama_cpp_tok_s"] = llama_cpp[0] if llama_cpp else None
+        payload["llama_cpp_tok_s"] = llama_cpp[1] if llama_cpp else None
         payload["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         payload["command"] = "minisparse " + " ".join(getattr(args, "argv", []))
         args.json.write_text(json.dumps(payload, indent=1))
@@ -308,8 +335,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["same_tokens"] for r in rows.values()) else 1
 
 
-def print_llama_cpp_row(args: argparse.Namespace) -> float | None:
-    """llama.cpp on the model's own GGUF file, when llama-cpp-python is installed; its tok/s."""
+def print_llama_cpp_row(
+    args: argparse.Namespace, model: Any, tokenizer: Any
+) -> tuple[float, float] | None:
+    """llama.cpp on the model's GGUF file beside our compiled decode of the same prompt (at
+    ``--weights``), alternating within each repeat, when llama-cpp-python is installed:
+    (ours tok/s, llama.cpp tok/s)."""
+    from ..generate import generate
     from ..loading import embedded_gguf_path
 
     gguf = Path(args.model) if args.model.endswith(".gguf") else None
@@ -318,14 +350,26 @@ def print_llama_cpp_row(args: argparse.Namespace) -> float | None:
     if gguf is None:
         print("llama.cpp: no GGUF file for this model; give --model FILE.gguf to compare")
         return None
-    rate = llama_cpp_decode(gguf, args.prompt, args.max_new_tokens, args.repeats)
-    if rate is None:
+    ours = model
+    if args.weights == "int8":
+        from ..quant import quantize_model
+
+        ours = quantize_model(model, bits=8, packed=True, progress=False)
+    n = args.max_new_tokens
+    rates = llama_cpp_decode(
+        gguf, args.prompt, n, args.repeats,
+        alongside=lambda: len(generate(ours, tokenizer, args.prompt, max_new_tokens=n)),
+    )  # fmt: skip
+    if rates is None:
         print("llama.cpp: not installed (optional: pip install llama-cpp-python)")
-    else:
-        print(
-            f"{'llama.cpp (' + gguf.name + ')':38s} {rate:6.1f} tok/s (its own weights' precision)"
-        )
-    return rate
+        return None
+    mine, theirs = rates  # type: ignore[misc]
+    print(
+        f"\nside by side, alternating: minisparse compiled step ({args.weights} weights) "
+        f"{mine:6.1f} tok/s | llama.cpp ({gguf.name}) {theirs:6.1f} tok/s | ours / llama.cpp "
+        f"{mine / theirs:.2f}x"
+    )
+    return mine, theirs
 
 
 def main(argv: list[str] | None = None) -> int:

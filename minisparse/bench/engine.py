@@ -15,6 +15,7 @@ whether it is on the Pareto front (no other configuration is both faster and bet
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,18 +92,18 @@ def bench_engine(
     seq_len: int = 256,
 ) -> list[EngineRow]:
     """One row per configuration, timed side by side (``dense`` must be among them)."""
-    from ..eval import perplexity
-
     if "dense" not in configs:
         raise ValueError("configs must include 'dense': every ratio is to the dense model.")
     engines = {name: build(base, tokenizer, cfg, calibration) for name, cfg in configs.items()}
     runs = {name: (lambda e=e: e.generate(prompt, max_new_tokens)) for name, e in engines.items()}
     speeds = interleaved_decode(runs, repeats=repeats, warmup=1, progress=progress)
     dense = speeds["dense"]
-    rows = []
+    rows, scores = [], {}
     for name, e in engines.items():
-        with torch.inference_mode():
-            ppl = perplexity(e.model, eval_ids, seq_len=seq_len, progress=False)
+        model_config = dataclasses.replace(e.config, draft=None)  # a draft leaves the model as is
+        if model_config not in scores:
+            scores[model_config] = engine_perplexity(e, base, eval_ids, seq_len)
+        ppl = scores[model_config]
         rows.append(
             EngineRow(
                 name=name,
@@ -117,6 +118,25 @@ def bench_engine(
             )
         )
     return pareto(rows)
+
+
+@torch.inference_mode()
+def engine_perplexity(engine: Any, base: Any, eval_ids: torch.Tensor, seq_len: int) -> float:
+    """Held-out perplexity of the tokens the engine emits (a speculative engine: its target's).
+
+    With chapter 06's predictors each decoded token keeps its own predicted neurons; a pass over
+    a whole window would keep their union, nearly dense. So the dense ReLU model runs with each
+    token's MLP masked to its own prediction (``sparse_perplexity``), as a decode step computes.
+    """
+    from ..eval import perplexity
+    from .sparse_steps import called_predictors, sparse_perplexity
+
+    if engine.config.sparsity == "relu" and called_predictors(engine.model)[0] is not None:
+        from ..relufy import load_relufied
+
+        relu, _ = load_relufied(base, 1)
+        return sparse_perplexity(relu, engine.model, eval_ids)
+    return perplexity(engine.model, eval_ids, seq_len=seq_len, progress=False)
 
 
 def format_rows(rows: list[EngineRow]) -> str:
