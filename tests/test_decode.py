@@ -188,12 +188,20 @@ def test_embedded_model_runs_entirely_in_c(embedded):
 
 
 @needs_compiler
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("n", [2, 5, 8])
-def test_several_tokens_in_one_call_equal_the_cached_forward(n):
+def test_several_tokens_in_one_call_equal_the_cached_forward(n, int8):
     """forward(tokens, pos) for n consecutive tokens (a verification pass) gives the logits of
     model(tokens, positions, cache), each token seeing the ones before it, and leaves the cache
-    as the model leaves it (the next single step agrees too)."""
-    model = tiny_model(seed=13, std=0.1)
+    as the model leaves it (the next single step agrees too); float32 or int8 weights."""
+    model = tiny_model(seed=13, std=0.1, **({"dim": 64, "head_dim": 16} if int8 else {}))
+    if int8:
+        from minisparse.quant import Int8Linear, quantize_model
+
+        model = quantize_model(model, bits=8, packed=True)
+        for m in model.modules():
+            if isinstance(m, Int8Linear):
+                m.fast = False  # float32 activations, as the C step uses
     gen = torch.Generator().manual_seed(14)
     tokens = torch.randint(0, model.config.vocab_size, (1, 6 + n + 1), generator=gen)
     with torch.inference_mode():
