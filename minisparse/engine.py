@@ -112,6 +112,7 @@ class Engine:
     placement: Placement | None = None
     description: str = ""
     last_stats: Any = None  # the last speculative run's SpeculativeStats (None without a draft)
+    dense_model: Transformer | None = None  # with predictors: the model before they chose neurons
 
     def generate(self, prompt: Any, max_new_tokens: int = 64, **sampling: Any) -> list[int]:
         """New token ids after ``prompt``, as ``minisparse.generate`` returns them."""
@@ -202,6 +203,7 @@ def build(
     if config.weights == "int8" and config.sparsity != "none":
         model = low_bit(model, config.weights)  # first: the sparse MLPs take int8 projections
     thresholds = active_thresholds(model, config, calibration)
+    dense = model if select is not None else None  # the per-token perplexity's reference
     placement = None
     if config.offload_budget is not None:
         placement = place_neurons(model, thresholds, config.offload_budget, calibration)
@@ -221,7 +223,7 @@ def build(
     if draft is not None:
         parts.append(f"{config.draft} draft, gamma {config.gamma} (ch. 10)")
     text = ", ".join(parts) or "the dense model"
-    return Engine(config, model, tokenizer, draft, placement, text)
+    return Engine(config, model, tokenizer, draft, placement, text, dense_model=dense)
 
 
 def active_thresholds(

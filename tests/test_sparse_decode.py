@@ -240,3 +240,27 @@ def test_random_shape_bench_decodes_each_sparsity(monkeypatch):
     assert rows[0].sparsity < rows[1].sparsity and 0.6 < rows[1].sparsity < 1.0
     assert 1.0 < rows[0].ceiling < rows[1].ceiling
     assert rows[0].method == "random tiny x 1 layers, predictors"
+
+
+def test_an_engine_with_predictors_reports_the_perplexity_of_its_decode_steps(tmp_path):
+    """bench engine's perplexity of a predictor engine: every token with its own predicted
+    neurons, on the model the predictors were made for (kept by build, not loaded again)."""
+    from minisparse.bench.engine import engine_perplexity
+    from minisparse.engine import EngineConfig, build
+
+    dense, sparse, predictors = predictor_model(seed=11)
+    path = predictors.save(tmp_path / "p.safetensors")
+    gen = torch.Generator().manual_seed(12)
+    calibration = torch.randint(0, 97, (2, 16), generator=gen)
+    ids = torch.randint(0, 97, (256,), generator=gen)
+    config = EngineConfig(sparsity="cats", predictors=str(path))
+    engine = build(dense, None, config, calibration)
+    assert engine.dense_model is dense
+    got = engine_perplexity(engine, ids)
+    assert got == pytest.approx(sparse_perplexity(dense, sparse, ids), rel=1e-6)
+    with torch.inference_mode():
+        union = perplexity(engine.model, ids, seq_len=256, progress=False)
+    assert abs(got - union) > 1e-5 * got
+    plain = build(dense, None, EngineConfig(sparsity="cats"), calibration)
+    assert plain.dense_model is None
+    assert engine_perplexity(plain, ids) == perplexity(plain.model, ids, progress=False)

@@ -350,6 +350,9 @@ def print_llama_cpp_row(
     if gguf is None:
         print("llama.cpp: no GGUF file for this model; give --model FILE.gguf to compare")
         return None
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("llama.cpp: not installed (optional: pip install llama-cpp-python)")
+        return None
     ours = model
     if args.weights == "int8":
         from ..quant import quantize_model
@@ -360,9 +363,6 @@ def print_llama_cpp_row(
         gguf, args.prompt, n, args.repeats,
         alongside=lambda: len(generate(ours, tokenizer, args.prompt, max_new_tokens=n)),
     )  # fmt: skip
-    if rates is None:
-        print("llama.cpp: not installed (optional: pip install llama-cpp-python)")
-        return None
     mine, theirs = rates  # type: ignore[misc]
     print(
         f"\nside by side, alternating: minisparse compiled step ({args.weights} weights) "

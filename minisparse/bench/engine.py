@@ -29,7 +29,15 @@ from ..machine import machine
 from ..timing import interleaved_decode
 from .speculative import PROMPTS
 
-__all__ = ["CONFIGS", "EngineRow", "add_arguments", "bench_engine", "pareto", "run"]
+__all__ = [
+    "CONFIGS",
+    "EngineRow",
+    "add_arguments",
+    "bench_engine",
+    "engine_perplexity",
+    "pareto",
+    "run",
+]
 
 CONFIGS: dict[str, EngineConfig] = {
     "dense": EngineConfig(),
@@ -102,7 +110,7 @@ def bench_engine(
     for name, e in engines.items():
         model_config = dataclasses.replace(e.config, draft=None)  # a draft leaves the model as is
         if model_config not in scores:
-            scores[model_config] = engine_perplexity(e, base, eval_ids, seq_len)
+            scores[model_config] = engine_perplexity(e, eval_ids, seq_len)
         ppl = scores[model_config]
         rows.append(
             EngineRow(
@@ -121,21 +129,19 @@ def bench_engine(
 
 
 @torch.inference_mode()
-def engine_perplexity(engine: Any, base: Any, eval_ids: torch.Tensor, seq_len: int) -> float:
+def engine_perplexity(engine: Any, eval_ids: torch.Tensor, seq_len: int = 256) -> float:
     """Held-out perplexity of the tokens the engine emits (a speculative engine: its target's).
 
     With chapter 06's predictors each decoded token keeps its own predicted neurons; a pass over
-    a whole window would keep their union, nearly dense. So the dense ReLU model runs with each
-    token's MLP masked to its own prediction (``sparse_perplexity``), as a decode step computes.
+    a whole window would keep their union, nearly dense. So the model the predictors were made
+    for (``Engine.dense_model``) runs with each token's MLP masked to its own prediction
+    (``sparse_perplexity``), as a decode step computes.
     """
     from ..eval import perplexity
-    from .sparse_steps import called_predictors, sparse_perplexity
+    from .sparse_steps import sparse_perplexity
 
-    if engine.config.sparsity == "relu" and called_predictors(engine.model)[0] is not None:
-        from ..relufy import load_relufied
-
-        relu, _ = load_relufied(base, 1)
-        return sparse_perplexity(relu, engine.model, eval_ids)
+    if engine.dense_model is not None:
+        return sparse_perplexity(engine.dense_model, engine.model, eval_ids)
     return perplexity(engine.model, eval_ids, seq_len=seq_len, progress=False)
 
 

@@ -136,8 +136,8 @@ DOT(dot, float, load16)
 DOT(dot_i8, int8_t, load16_i8)
 
 /* y[r] = row_r . x for four rows of length K (rows gathered by index): four independent
-   streams, x read once. LOAD16 reads 16 weights as floats (float32
-   rows or int8 codes, one function each). */
+   streams, x read once. LOAD16 reads 16 weights as floats (float32 rows or int8 codes, one
+   function each). */
 #define DOT4(NAME, T, LOAD16)                                                           \
     static inline void NAME(const T* const r[4], int64_t K, const float* x, float* y) { \
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                     \
@@ -619,7 +619,7 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int n
             }
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++) a[j] = dot(L->pv + j * R, t, R) + L->pv_bias[j];
-        } else if (L->wg.scale) {  /* int8 gate: four rows at a time */
+        } else if (L->wg.scale) {  /* int8 gate: the dense gate decides (gemv_rows) */
             gemv_rows(L->wg, 0, n, a, F, D);
             #pragma omp barrier
             #pragma omp for schedule(static)
