@@ -1,12 +1,13 @@
 """The C decode step's view of a model: one ctypes description per block half.
 
 ``minisparse/kernels/decode_step.c`` reads plain structs: a matrix is a pointer with its row
-count and element type (float32, or int8 codes with one float32 scale per row; per column for
-a sparse MLP's transposed down projection, whose scales are per output), an activation
-slot is a kind (identity, ReLU, magnitude threshold) and a threshold, and a block half is the
-pointers of its norm, projections and biases. This module builds those structs from the torch
-modules the course uses (``Linear``, ``Int8Linear``, ``MLP``, ``SparseMLP`` with a threshold or
-a chapter 06 predictor), and returns None for anything the C step does not know, so that
+count and element type (float32; int8 codes with one float32 scale per row, per column for
+a sparse MLP's transposed down projection, whose scales are per output; or 4-bit blocks of 32
+weights with their own scale and zero), an activation slot is a kind (identity, ReLU,
+magnitude threshold) and a threshold, and a block half is the pointers of its norm, projections
+and biases. This module builds those structs from the torch modules the course uses
+(``Linear``, ``Int8Linear``, ``Int4Linear``, ``MLP``, ``SparseMLP`` with a threshold or a
+chapter 06 predictor), and returns None for anything the C step does not know, so that
 ``minisparse.decode.Decoder`` runs that half as torch instead. The structs point into the
 modules' own tensors: nothing is copied, and the tensors a struct needs are kept alive in the
 ``keep`` list the caller holds. One exception: float32 projections whose input goes through a
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from .kernels.cpu import load_source_library
 from .model import MLP, Attention, Block, KVCache, Linear, RMSNorm, Transformer
-from .quant import Int8Linear
+from .quant import Int4Linear, Int8Linear
 from .sparse_mlp import SparseMLP
 from .sparsity import MagnitudeThreshold
 
@@ -67,11 +68,17 @@ _i64, _flt, _i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 
 class Mat(ctypes.Structure):
-    """A weight matrix for C: float32 data (scale NULL), or int8 codes and float32 row scales;
-    ``in_stride`` > 0: a float32 transpose, one row per input, rows ``in_stride`` floats apart
-    (bundled with the other projections of the same input), read only at non-zero inputs."""
+    """A weight matrix for C: float32 data (scale NULL), int8 codes and float32 row scales, or
+    (``q4`` = 1) an ``Int4Linear``'s 4-bit blocks; ``in_stride`` > 0: a float32 transpose, one
+    row per input, rows ``in_stride`` floats apart (bundled with the other projections of the
+    same input), read only at non-zero inputs."""
 
-    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("in_stride", _i64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("in_stride", _i64),
+        ("q4", _i64),
+    ]
 
 
 class AttnLayer(ctypes.Structure):
@@ -197,11 +204,14 @@ def plain_f32(*tensors: Tensor | None) -> bool:
 
 
 def linear_ok(lin: nn.Module) -> bool:
-    """A projection the C step reads: a float32 ``nn.Linear``, or a weight-only ``Int8Linear``."""
+    """A projection the C step reads: a float32 ``nn.Linear``, or a weight-only ``Int8Linear``
+    or ``Int4Linear`` (the latter when it holds 4-bit blocks: it had the CPU kernel)."""
     if hooked(lin):
         return False
     if type(lin) in (Linear, nn.Linear):
         return plain_f32(lin.weight, lin.bias)
+    if type(lin) is Int4Linear:
+        return lin.packed_for_cpu and lin.blocks.device.type == "cpu" and plain_f32(lin.bias)
     return (
         type(lin) is Int8Linear
         and lin.q.device.type == "cpu"
@@ -213,6 +223,8 @@ def linear_ok(lin: nn.Module) -> bool:
 
 def mat(lin: nn.Module, keep: list[Tensor]) -> Mat:
     """The C view of a projection accepted by ``linear_ok``; ``keep`` holds what it points to."""
+    if type(lin) is Int4Linear:
+        return Mat(lin.blocks.data_ptr(), None, 0, 1)
     if type(lin) is not Int8Linear:
         return Mat(lin.weight.data_ptr(), None, 0)
     scale = lin.scale.float().contiguous()  # the layer keeps bfloat16 scales for torch's kernel
@@ -223,7 +235,7 @@ def mat(lin: nn.Module, keep: list[Tensor]) -> Mat:
 def skips_zeros(slot: Slot, *lins: nn.Module) -> bool:
     """Read ``lins`` input-major: their input goes through a magnitude threshold (TEAL), which
     zeroes a share of the inputs, and their weights are float32."""
-    return slot.threshold >= 0 and all(type(lin) is not Int8Linear for lin in lins)
+    return slot.threshold >= 0 and all(type(lin) in (Linear, nn.Linear) for lin in lins)
 
 
 def mats(lins: Sequence[nn.Module], keep: list[Tensor], in_major: bool) -> list[Mat]:

@@ -276,6 +276,8 @@ def sparse_model(model: Transformer, thresholds: Any, select: Any, kernels: bool
 
 
 def low_bit(model: Transformer, weights: str) -> Transformer:
+    """A copy of ``model`` with chapter 09's weight-only layers: "int8" (one scale per row) or
+    "int4" (a scale and zero per ``INT4_GROUP`` weights), LM head included."""
     from .quant import quantize_model
 
     bits, group = (8, None) if weights == "int8" else (4, INT4_GROUP)

@@ -226,7 +226,8 @@ def quantize_head(model: Transformer, config: QuantConfig) -> None:
 def streamed_bytes(model: nn.Module) -> int:
     """Bytes a batch-1 decode step reads: every weight, code, scale and norm once.
 
-    An embedding table that is not also the LM head is left out: the lookup reads one row.
+    An embedding table that is not also the LM head is left out: the lookup reads one row; so
+    is a second layout of the same weights (``duplicate_buffers``, e.g. ``Int4Linear.blocks``).
     """
     head = getattr(model, "lm_head", None)
     head_weight = getattr(head, "weight", None)
@@ -237,10 +238,8 @@ def streamed_bytes(model: nn.Module) -> int:
             seen.add(module.weight.data_ptr())
             continue
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        persistent = {
-            id(b) for n, b in module.named_buffers(recurse=False)
-            if n not in module._non_persistent_buffers_set
-        }  # fmt: skip
+        skipped = module._non_persistent_buffers_set | set(getattr(module, "duplicate_buffers", ()))
+        persistent = {id(b) for n, b in module.named_buffers(recurse=False) if n not in skipped}
         for t in tensors:
             if isinstance(t, nn.Parameter) or id(t) in persistent:
                 if t.data_ptr() not in seen:

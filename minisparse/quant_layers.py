@@ -153,6 +153,33 @@ def int4_kernel_block(group: int, cols: int, rows: int) -> int | None:
     return None
 
 
+def q4_blocks(codes: Tensor, scales_and_zeros: Tensor, block: int) -> Tensor:
+    """The same 4-bit weights in the layout the compiled decode step reads, [out, in / 32, 20]
+    uint8: per 32 weights of a row, the bfloat16 scale s and zero z of
+    ŵ = (u - 8) s + z (4 bytes), then the 16 bytes of the codes u, byte q holding weight q in
+    its low half and weight 16 + q in its high half (``minisparse/kernels/matvec.h``).
+
+    ``codes`` [out, in] are the unsigned codes u in [0, 15]; ``scales_and_zeros`` [blocks, out,
+    2] bfloat16 are the int4 kernel's, one pair per ``block`` inputs (a multiple of 32).
+    """
+    out, cols = codes.shape
+    u = codes.to(torch.uint8).view(out, cols // 32, 2, 16)
+    nibbles = u[:, :, 0] | (u[:, :, 1] << 4)  # [out, in / 32, 16]
+    pairs = scales_and_zeros.transpose(0, 1).repeat_interleave(block // 32, dim=1)
+    params = pairs.contiguous().view(torch.uint8)  # [out, in / 32, 4]: s, z as bfloat16 bytes
+    return torch.cat([params, nibbles], dim=2).contiguous()
+
+
+def q4_dequantize(blocks: Tensor) -> Tensor:
+    """The float32 weight [out, in] of ``q4_blocks``: ŵ = (u - 8) s + z, exactly."""
+    out, n_blocks, _ = blocks.shape
+    params = blocks[:, :, :4].contiguous().view(torch.bfloat16).float()  # [out, in / 32, 2]
+    packed = blocks[:, :, 4:]
+    u = torch.stack([packed & 15, packed >> 4], dim=2).float()  # [out, in / 32, 2, 16]
+    w = (u - 8) * params[:, :, 0, None, None] + params[:, :, 1, None, None]
+    return w.reshape(out, n_blocks * 32)
+
+
 class Int4Linear(PackedLinear):
     """Weight-only int4 linear from 4-bit codes with per-group (or per-channel) scales.
 
@@ -160,10 +187,15 @@ class Int4Linear(PackedLinear):
     by ``_convert_weight_to_int4pack_for_cpu`` and the product runs as
     ``_weight_int4pack_mm_for_cpu`` on bfloat16 activations. That kernel computes
     ŵ = (u - 8) * s + z for unsigned codes u in [0, 15]; our x̂ = s q + m becomes u = q + c
-    (c = 8 for symmetric codes, 0 for asymmetric ones) and z = m + (8 - c) s. Otherwise the
-    layer keeps the codes (one byte each) and the group parameters, and dequantizes W on the
-    fly.
+    (c = 8 for symmetric codes, 0 for asymmetric ones) and z = m + (8 - c) s. The kernel's
+    packed layout is its own (tiled, and not the same on every CPU), so the layer also keeps
+    the same codes and parameters in ``blocks`` (``q4_blocks``): what the compiled decode step
+    reads, and what ``dequantized`` computes the weight from. A step reads one of the two
+    copies (``duplicate_buffers``). Otherwise (no kernel) the layer keeps the codes (one byte
+    each) and the group parameters, and dequantizes W on the fly.
     """
+
+    duplicate_buffers = ("blocks",)  # the packed weights again, in a second layout
 
     def __init__(self, qt: QuantizedTensor, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -193,6 +225,7 @@ class Int4Linear(PackedLinear):
         zero = offset + (8 - shift) * scale
         pairs = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", pairs.to(torch.bfloat16))  # [blocks, out, 2]
+        self.register_buffer("blocks", q4_blocks(codes, self.scales_and_zeros, self.block))
 
     def check_device(self, device: torch.device) -> None:
         if self.packed_for_cpu and device.type != "cpu":
@@ -209,8 +242,7 @@ class Int4Linear(PackedLinear):
         """The weight the layer computes with, [out, in] float32."""
         if not self.packed_for_cpu:
             return QuantizedTensor(self.q, self.scale, self.offset, self.spec).dequantize()
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
-        return self._kernel(eye).float().t()  # exact inputs, bfloat16 outputs
+        return q4_dequantize(self.blocks)
 
     def _kernel(self, flat: Tensor) -> Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -252,6 +284,8 @@ __all__ = [
     "PackedLinear",
     "int4_kernel_block",
     "packed_linear",
+    "q4_blocks",
+    "q4_dequantize",
     "set_weight",
     "target_device",
 ]

@@ -187,33 +187,56 @@ def test_embedded_model_runs_entirely_in_c(embedded):
     assert all_c(decoder)
 
 
+#: A tiny shape every int4 kernel takes: rows in multiples of 16, rows of 32-weight groups.
+INT4_SHAPE = {"dim": 64, "head_dim": 16, "ffn_dim": 96, "vocab_size": 112}
+
+
+def low_bit(model, weights):
+    """The model with packed int8 or int4 layers, and its float32 reference: int8 layers that
+    compute with float32 activations (``fast = False``), int4 layers replaced by float32
+    linears holding their dequantized weights (what the C step computes, in float32)."""
+    from minisparse.quant import Int4Linear, Int8Linear, quantize_model
+
+    if weights == "fp32":
+        return model, model
+    bits, group = (8, None) if weights == "int8" else (4, 32)
+    model = quantize_model(model, bits=bits, group_size=group, packed=True, progress=False)
+    reference = copy.deepcopy(model)
+    for parent in list(reference.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                child.fast = False
+            elif isinstance(child, Int4Linear):
+                assert child.fast  # the shape takes the int4 kernel, so C reads its blocks
+                linear = nn.Linear(child.in_features, child.out_features, bias=False)
+                linear.weight.data = child.dequantized()
+                linear.bias = None if child.bias is None else nn.Parameter(child.bias.clone())
+                setattr(parent, name, linear)
+    return model, reference
+
+
 @needs_compiler
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("n", [2, 5, 8])
-def test_several_tokens_in_one_call_equal_the_cached_forward(n, int8):
+def test_several_tokens_in_one_call_equal_the_cached_forward(n, weights):
     """forward(tokens, pos) for n consecutive tokens (a verification pass) gives the logits of
     model(tokens, positions, cache), each token seeing the ones before it, and leaves the cache
-    as the model leaves it (the next single step agrees too); float32 or int8 weights."""
-    model = tiny_model(seed=13, std=0.1, **({"dim": 64, "head_dim": 16} if int8 else {}))
-    if int8:
-        from minisparse.quant import Int8Linear, quantize_model
-
-        model = quantize_model(model, bits=8, packed=True)
-        for m in model.modules():
-            if isinstance(m, Int8Linear):
-                m.fast = False  # float32 activations, as the C step uses
+    as the model leaves it (the next single step agrees too); float32, int8 or int4 weights."""
+    shape = INT4_SHAPE if weights != "fp32" else {}
+    model, reference = low_bit(tiny_model(seed=13, std=0.1, **shape), weights)
     gen = torch.Generator().manual_seed(14)
     tokens = torch.randint(0, model.config.vocab_size, (1, 6 + n + 1), generator=gen)
     with torch.inference_mode():
         ref_cache, dec_cache = make_cache(model.config, 1, 20), make_cache(model.config, 1, 20)
         for cache in (ref_cache, dec_cache):
-            model(tokens[:, :6], torch.arange(6), cache)
+            reference(tokens[:, :6], torch.arange(6), cache)
         decoder = Decoder(model, dec_cache)
-        ref = model(tokens[:, 6 : 6 + n], torch.arange(6, 6 + n), ref_cache)[0]
+        assert all_c(decoder)
+        ref = reference(tokens[:, 6 : 6 + n], torch.arange(6, 6 + n), ref_cache)[0]
         got = decoder.forward(tokens[0, 6 : 6 + n].tolist(), 6).clone()
         assert_close(ref, got)
         last = 6 + n
-        ref_next = model(tokens[:, last : last + 1], torch.tensor([last]), ref_cache)[0, 0]
+        ref_next = reference(tokens[:, last : last + 1], torch.tensor([last]), ref_cache)[0, 0]
         assert_close(ref_next, decoder.step(int(tokens[0, last]), last))
 
 
@@ -255,20 +278,27 @@ def test_more_tokens_than_one_call_takes_is_an_error():
 
 
 @needs_compiler
-def test_int8_weights_run_in_c_and_equal_their_dequantized_math():
-    """Weight-only int8 projections (chapter 09's packed layers, LM head included) run in C:
-    s_i * sum_k q_ik x_k in float32 equals F.linear with the dequantized weight, which the
-    reference uses (``fast = False``: no bfloat16 activations)."""
-    from minisparse.quant import Int8Linear, quantize_model
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_low_bit_weights_run_in_c_and_equal_their_dequantized_math(weights):
+    """Weight-only int8 and int4 projections (chapter 09's packed layers, LM head included) run
+    in C: s_i * sum_k q_ik x_k (int8), sum over 32-weight blocks of ((u - 8) s + z) x (int4),
+    in float32, equal F.linear with the dequantized weight (no bfloat16 activations)."""
+    from minisparse.quant import Int4Linear, Int8Linear
 
-    model = quantize_model(tiny_model(seed=18, std=0.1, dim=64, head_dim=16), bits=8, packed=True)
-    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert len(int8) == 7 * model.config.n_layers + 1
-    for m in int8:
-        m.fast = False
-    ref, got, decoder = decode_both(model)
-    assert all_c(decoder)
-    assert_close(ref, got)
+    model, reference = low_bit(tiny_model(seed=18, std=0.1, **INT4_SHAPE), weights)
+    kind = Int8Linear if weights == "int8" else Int4Linear
+    assert sum(isinstance(m, kind) for m in model.modules()) == 7 * model.config.n_layers + 1
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 14), generator=gen)
+    with torch.inference_mode():
+        ref_cache, dec_cache = make_cache(model.config, 1, 16), make_cache(model.config, 1, 16)
+        reference(tokens[:, :6], torch.arange(6), ref_cache)
+        reference(tokens[:, :6], torch.arange(6), dec_cache)
+        decoder = Decoder(model, dec_cache)
+        assert all_c(decoder)
+        for p in range(6, 14):
+            ref = reference(tokens[:, p : p + 1], torch.tensor([p]), ref_cache)[0, 0]
+            assert_close(ref, decoder.step(int(tokens[0, p]), p))
 
 
 @needs_compiler

@@ -338,6 +338,26 @@ def test_int4_linear_equals_fake_quant(spec, out_f, in_f):
         assert ((layer(x) - x @ w_hat.T).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("spec, cols", [(QuantSpec(4, 32, symmetric=False), 128),
+                                        (QuantSpec(4, 128, symmetric=True), 192)])  # fmt: skip
+def test_int4_blocks_hold_the_weights_of_the_kernels_packed_codes(spec, cols):
+    """The decode step's 4-bit blocks and torch's packed int4 layout hold the same weights: the
+    kernel applied to the identity (bfloat16 outputs) gives ``dequantized`` to within one
+    bfloat16 rounding, and both are the fake-quantized weight up to the bfloat16 parameters."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("this torch has no int4 CPU kernel")
+    w = random_matrix(32, cols, seed=5, spread=10.0)
+    qt = quantize_tensor(w, spec)
+    layer = Int4Linear(qt)
+    assert layer.blocks.shape == (32, cols // 32, 20) and layer.blocks.dtype == torch.uint8
+    w_hat = layer.dequantized()
+    eye = torch.eye(cols, dtype=torch.bfloat16)
+    kernel = layer._kernel(eye).float().t()
+    assert ((kernel - w_hat).abs() <= BF16_EPS * w_hat.abs()).all()
+    step = qt.columns(qt.scale).abs()  # |s| per weight: bfloat16 s and z move w_hat by ~8 s eps
+    assert ((w_hat - qt.dequantize()).abs() <= 16 * BF16_EPS * (step * 8 + w.abs())).all()
+
+
 def test_int4_linear_without_the_kernel_dequantizes_exactly():
     w = random_matrix(13, 40, seed=11)  # 13 rows: not a multiple of 16, no kernel
     qt = quantize_tensor(w, QuantSpec(4, 8, symmetric=False))

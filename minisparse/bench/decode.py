@@ -275,9 +275,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--weights",
-        choices=("fp32", "int8"),
+        choices=("fp32", "int8", "int4"),
         default="fp32",
-        help="our weights in the llama.cpp comparison (int8: beside a q8_0 GGUF file)",
+        help="our weights in the llama.cpp comparison (int8: beside a q8_0 GGUF file; int4, "
+        "groups of 32 with a scale and zero each: beside a Q4_1 file such as the shipped one)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
@@ -354,10 +355,10 @@ def print_llama_cpp_row(
         print("llama.cpp: not installed (optional: pip install llama-cpp-python)")
         return None
     ours = model
-    if args.weights == "int8":
-        from ..quant import quantize_model
+    if args.weights != "fp32":
+        from ..engine import low_bit
 
-        ours = quantize_model(model, bits=8, packed=True, progress=False)
+        ours = low_bit(model, args.weights)  # the engine's int8 / int4 weights
     n = args.max_new_tokens
     rates = llama_cpp_decode(
         gguf, args.prompt, n, args.repeats,

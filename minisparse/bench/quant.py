@@ -14,12 +14,12 @@ touch.
 
 Every variant decodes as torch modules (``generate(compiled=False)``), so that a step splits
 into the swept linear layers and the rest; ``generate``'s default compiled step
-(``minisparse.decode``) runs float32 and int8 faster still (``minisparse bench decode``, notebook
-00). Variants: ``fp32`` (the loaded model: torch's GEMV on ``nn.Linear`` weights), ``bf16`` (all
-weights and activations in bfloat16; torch's GEMV), ``int8`` (weight-only, one scale per output
-channel, ``_weight_int8pack_mm``), ``int4`` (weight-only, groups of ``--group-size``,
-``_weight_int4pack_mm_for_cpu``). The quantized ones keep float32 activations between layers
-and convert to bfloat16 inside each linear layer, the kernels' input type.
+(``minisparse.decode``) runs float32, int8 and int4 faster still (``minisparse bench decode``,
+notebook 00). Variants: ``fp32`` (the loaded model: torch's GEMV on ``nn.Linear`` weights),
+``bf16`` (all weights and activations in bfloat16; torch's GEMV), ``int8`` (weight-only, one
+scale per output channel, ``_weight_int8pack_mm``), ``int4`` (weight-only, groups of
+``--group-size``, ``_weight_int4pack_mm_for_cpu``). The quantized ones keep float32 activations
+between layers and convert to bfloat16 inside each linear layer, the kernels' input type.
 """
 
 from __future__ import annotations

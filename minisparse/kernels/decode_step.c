@@ -14,7 +14,8 @@
    stream and the threads split the rows between them (no reduction, no transposed copy at load
    time). The sparse step reads the down projection transposed, W_down_t [ffn, dim], so that an
    active neuron's down weights are one contiguous row too. Scratch memory is given by the
-   caller and made once per decoder: nothing is allocated per token. */
+   caller and made once per decoder: nothing is allocated per token. The dot products, one per
+   way a weight row is stored (float32, int8, 4-bit blocks), are in matvec.h. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -31,33 +32,8 @@
 #define MAX_TOKENS 8
 
 #include "simd.h"
+#include "matvec.h"
 
-/* The sum of the 16 lanes as a tree (halves added to halves): four vector adds instead of
-   fifteen scalar ones, which matters when every row ends in one (B tokens: B per row). */
-static inline float hsum(v16 v) {
-    v8 lo, hi;
-    __builtin_memcpy(&lo, &v, 32);
-    __builtin_memcpy(&hi, (const char*)&v + 32, 32);
-    v8 s8 = lo + hi;
-    v4 a, b;
-    __builtin_memcpy(&a, &s8, 16);
-    __builtin_memcpy(&b, (const char*)&s8 + 16, 16);
-    v4 s4 = a + b;
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-/* A weight matrix [rows, cols], row-major: float32 (scale == NULL), or weight-only int8 codes
-   with one float32 scale per row, w_ij = scale_i * q_ij (chapter 09's Int8Linear): a quarter of
-   the bytes to stream, turned into floats in registers. With in_stride > 0, data is instead a
-   transpose (float32 only), one row per *input*, rows in_stride floats apart: an input that is
-   zero (a TEAL threshold cut it) costs no bytes, since its row is never read. Projections that
-   share an input (q, k, v; gate, up) share one bundled row per input, [W_q^T | W_k^T | W_v^T]:
-   one long burst instead of three short ones. */
-typedef struct {
-    const void* data;
-    const float* scale;
-    int64_t in_stride;
-} Mat;
 
 /* What a projection's input goes through first: a ReLU and/or a magnitude threshold
    (|v| <= threshold -> 0; a negative threshold means none). Identity is {0, -1}. */
@@ -113,185 +89,6 @@ static inline float activate(int act, float v) {
     if (act == ACT_SILU) return v / (1.0f + expf(-v));
     if (act == ACT_RELU) return v > 0.0f ? v : 0.0f;
     return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-}
-
-/* a . b with two vector accumulators; LOAD16 reads 16 of a's values as floats (float32 rows,
-   or int8 codes widened in registers: one function each, the same loop). */
-#define DOT(NAME, T, LOAD16)                                                  \
-    static inline float NAME(const T* a, const float* b, int64_t n) {         \
-        v16 s0 = {0}, s1 = {0};                                               \
-        int64_t k = 0;                                                        \
-        for (; k + 32 <= n; k += 32) {                                        \
-            s0 += LOAD16(a + k) * load16(b + k);                              \
-            s1 += LOAD16(a + k + 16) * load16(b + k + 16);                    \
-        }                                                                     \
-        for (; k + 16 <= n; k += 16) s0 += LOAD16(a + k) * load16(b + k);     \
-        float s = hsum(s0 + s1);                                              \
-        for (; k < n; k++) s += (float)a[k] * b[k];                           \
-        return s;                                                             \
-    }
-
-static inline v16 load16_i8(const int8_t* p);
-DOT(dot, float, load16)
-DOT(dot_i8, int8_t, load16_i8)
-
-/* y[r] = row_r . x for four rows of length K (rows gathered by index): four independent
-   streams, x read once. LOAD16 reads 16 weights as floats (float32 rows or int8 codes, one
-   function each). */
-#define DOT4(NAME, T, LOAD16)                                                           \
-    static inline void NAME(const T* const r[4], int64_t K, const float* x, float* y) { \
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                     \
-        int64_t k = 0;                                                                  \
-        for (; k + 16 <= K; k += 16) {                                                  \
-            v16 xv = load16(x + k);                                                     \
-            a0 += LOAD16(r[0] + k) * xv;                                                \
-            a1 += LOAD16(r[1] + k) * xv;                                                \
-            a2 += LOAD16(r[2] + k) * xv;                                                \
-            a3 += LOAD16(r[3] + k) * xv;                                                \
-        }                                                                               \
-        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};                          \
-        for (int q = 0; q < 4; q++) {                                                   \
-            for (int64_t kk = k; kk < K; kk++) s[q] += (float)r[q][kk] * x[kk];         \
-            y[q] = s[q];                                                                \
-        }                                                                               \
-    }
-
-DOT4(dot4, float, load16)
-DOT4(dot4_i8, int8_t, load16_i8)
-
-/* out[b] = row . X[b] for B <= MAX_TOKENS token vectors X [B, K]: the row is read once and
-   multiplied with every token's vector while it is in registers. LOAD16 reads 16 weights as
-   floats (float32 or int8 rows: one loop each, so neither pays for the other's branch). The
-   body is compiled once per B (the switch passes a constant), so the token loops unroll and
-   the B accumulators stay in registers; with B a variable they live in memory and every
-   multiply-add also loads and stores one. A pass over 5 tokens is partly arithmetic-bound on
-   a 2-core AMD EPYC, and this took it from 44.0 to 38.8 ms (same process, alternating). */
-#define DOT_TOKENS(NAME, T, LOAD16)                                                          \
-    static inline __attribute__((always_inline)) void NAME##_b(                              \
-        const T* row, const float* X, const int64_t B, int64_t K, float* out) {              \
-        v16 acc[MAX_TOKENS];                                                                 \
-        for (int64_t b = 0; b < B; b++) acc[b] = (v16){0};                                   \
-        int64_t k = 0;                                                                       \
-        for (; k + 16 <= K; k += 16) {                                                       \
-            v16 w = LOAD16(row + k);                                                         \
-            for (int64_t b = 0; b < B; b++) acc[b] += w * load16(X + b * K + k);             \
-        }                                                                                    \
-        for (int64_t b = 0; b < B; b++) {                                                    \
-            float s = hsum(acc[b]);                                                          \
-            for (int64_t kk = k; kk < K; kk++) s += (float)row[kk] * X[b * K + kk];          \
-            out[b] = s;                                                                      \
-        }                                                                                    \
-    }                                                                                        \
-    static inline void NAME(const T* row, const float* X, int64_t B, int64_t K, float* out) { \
-        switch (B) {                                                                         \
-            case 1: NAME##_b(row, X, 1, K, out); return;                                     \
-            case 2: NAME##_b(row, X, 2, K, out); return;                                     \
-            case 3: NAME##_b(row, X, 3, K, out); return;                                     \
-            case 4: NAME##_b(row, X, 4, K, out); return;                                     \
-            case 5: NAME##_b(row, X, 5, K, out); return;                                     \
-            case 6: NAME##_b(row, X, 6, K, out); return;                                     \
-            case 7: NAME##_b(row, X, 7, K, out); return;                                     \
-            default: NAME##_b(row, X, MAX_TOKENS, K, out); return;                           \
-        }                                                                                    \
-    }
-
-DOT_TOKENS(dot_tokens_f32, float, load16)
-DOT_TOKENS(dot_tokens_i8, int8_t, load16_i8)
-
-/* The same for two rows that share the token vectors (gate row j and up row j): each 16
-   inputs loaded per token feed two multiply-adds. Another 10 % off a 3- to 8-token pass on
-   that machine. (For one token there is nothing to share, and two streams per thread were
-   slower than one: gemv_rows.) */
-#define DOT_TOKENS2(NAME, T, LOAD16)                                                         \
-    static inline __attribute__((always_inline)) void NAME##_b(                              \
-        const T* r0, const T* r1, const float* X, const int64_t B, int64_t K, float* o0,     \
-        float* o1) {                                                                         \
-        v16 a0[MAX_TOKENS], a1[MAX_TOKENS];                                                  \
-        for (int64_t b = 0; b < B; b++) a0[b] = a1[b] = (v16){0};                            \
-        int64_t k = 0;                                                                       \
-        for (; k + 16 <= K; k += 16) {                                                       \
-            v16 w0 = LOAD16(r0 + k), w1 = LOAD16(r1 + k);                                    \
-            for (int64_t b = 0; b < B; b++) {                                                \
-                v16 x = load16(X + b * K + k);                                               \
-                a0[b] += w0 * x;                                                             \
-                a1[b] += w1 * x;                                                             \
-            }                                                                                \
-        }                                                                                    \
-        for (int64_t b = 0; b < B; b++) {                                                    \
-            float s0 = hsum(a0[b]), s1 = hsum(a1[b]);                                        \
-            for (int64_t kk = k; kk < K; kk++) {                                             \
-                s0 += (float)r0[kk] * X[b * K + kk];                                         \
-                s1 += (float)r1[kk] * X[b * K + kk];                                         \
-            }                                                                                \
-            o0[b] = s0;                                                                      \
-            o1[b] = s1;                                                                      \
-        }                                                                                    \
-    }                                                                                        \
-    static inline void NAME(const T* r0, const T* r1, const float* X, int64_t B, int64_t K,  \
-                            float* o0, float* o1) {                                          \
-        switch (B) {                                                                         \
-            case 1: NAME##_b(r0, r1, X, 1, K, o0, o1); return;                               \
-            case 2: NAME##_b(r0, r1, X, 2, K, o0, o1); return;                               \
-            case 3: NAME##_b(r0, r1, X, 3, K, o0, o1); return;                               \
-            case 4: NAME##_b(r0, r1, X, 4, K, o0, o1); return;                               \
-            case 5: NAME##_b(r0, r1, X, 5, K, o0, o1); return;                               \
-            case 6: NAME##_b(r0, r1, X, 6, K, o0, o1); return;                               \
-            case 7: NAME##_b(r0, r1, X, 7, K, o0, o1); return;                               \
-            default: NAME##_b(r0, r1, X, MAX_TOKENS, K, o0, o1); return;                     \
-        }                                                                                    \
-    }
-
-DOT_TOKENS2(dot_tokens2_f32, float, load16)
-DOT_TOKENS2(dot_tokens2_i8, int8_t, load16_i8)
-
-static inline void mdot_tokens(Mat M, int64_t i, const float* X, int64_t B, int64_t K,
-                               float* out) {
-    if (!M.scale) {
-        dot_tokens_f32((const float*)M.data + i * K, X, B, K, out);
-        return;
-    }
-    dot_tokens_i8((const int8_t*)M.data + i * K, X, B, K, out);
-    for (int64_t b = 0; b < B; b++) out[b] *= M.scale[i];
-}
-
-/* out0[b] = A[i] . X[b] and out1[b] = C[i] . X[b] for B tokens: row i of two matrices of the
-   same kind (gate and up) read together. */
-static inline void mdot_tokens2(Mat A, Mat C, int64_t i, const float* X, int64_t B, int64_t K,
-                                float* out0, float* out1) {
-    if (!A.scale != !C.scale) {
-        mdot_tokens(A, i, X, B, K, out0);
-        mdot_tokens(C, i, X, B, K, out1);
-    } else if (!A.scale) {
-        dot_tokens2_f32((const float*)A.data + i * K, (const float*)C.data + i * K, X, B, K,
-                        out0, out1);
-    } else {
-        dot_tokens2_i8((const int8_t*)A.data + i * K, (const int8_t*)C.data + i * K, X, B, K,
-                       out0, out1);
-        for (int64_t b = 0; b < B; b++) {
-            out0[b] *= A.scale[i];
-            out1[b] *= C.scale[i];
-        }
-    }
-}
-
-/* M[i] . x for one token. */
-static inline float mdot(Mat M, int64_t i, const float* x, int64_t K) {
-    if (!M.scale) return dot((const float*)M.data + i * K, x, K);
-    return M.scale[i] * dot_i8((const int8_t*)M.data + i * K, x, K);
-}
-
-/* y[r] = M[rows[r]] . x for four row indices (int8 rows scaled after the sum). */
-static inline void mdot4_at(Mat M, const int64_t rows[4], int64_t K, const float* x, float* y) {
-    if (!M.scale) {
-        const float* W = (const float*)M.data;
-        const float* r[4] = {W + rows[0] * K, W + rows[1] * K, W + rows[2] * K, W + rows[3] * K};
-        dot4(r, K, x, y);
-        return;
-    }
-    const int8_t* Q = (const int8_t*)M.data;
-    const int8_t* r[4] = {Q + rows[0] * K, Q + rows[1] * K, Q + rows[2] * K, Q + rows[3] * K};
-    dot4_i8(r, K, x, y);
-    for (int q = 0; q < 4; q++) y[q] *= M.scale[rows[q]];
 }
 
 

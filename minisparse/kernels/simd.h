@@ -28,3 +28,29 @@ static inline v16 load16_i8(const int8_t* p) {
 #endif
     return r;
 }
+
+/* 16 bytes of 4-bit codes as 32 floats: lo[q] = low half of byte q, hi[q] = its high half
+   (the byte order of a Q4Block in matvec.h). */
+static inline void load32_u4(const uint8_t* p, v16* lo, v16* hi) {
+#if defined(__AVX512F__)
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m512 l = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    __m512 h = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    __builtin_memcpy(lo, &l, 64);
+    __builtin_memcpy(hi, &h, 64);
+#elif defined(__AVX2__)
+    const __m256i mask = _mm256_set1_epi32(15);
+    for (int half = 0; half < 2; half++) {
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * half)));
+        __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+        __m256 h = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+        __builtin_memcpy((char*)lo + 32 * half, &l, 32);
+        __builtin_memcpy((char*)hi + 32 * half, &h, 32);
+    }
+#else
+    for (int q = 0; q < 16; q++) {
+        (*lo)[q] = (float)(p[q] & 15);
+        (*hi)[q] = (float)(p[q] >> 4);
+    }
+#endif
+}
