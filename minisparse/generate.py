@@ -251,14 +251,16 @@ def generate(
     stream: bool | Callable[[str], Any] = False,
     cache: str | Sequence[Any] = "static",
     compiled: bool = True,
+    stop_at_eos: bool = True,
     **cache_options: int,
 ) -> list[int]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt``; returns the new token ids.
 
-    Stops after an end-of-sequence token (which is included). ``stream=True`` prints the text as
-    it is produced; a callable receives the text pieces instead. ``cache`` picks the KV cache:
-    ``"static"`` (default), ``"paged"`` (``block_size=``), ``"sink"`` (``n_sink=``, ``window=``),
-    ``"h2o"`` (``budget=``, ``recent=``), or a fresh per-layer cache object
+    Stops after an end-of-sequence token (which is included); ``stop_at_eos=False`` goes on to
+    exactly ``max_new_tokens`` (benchmarks compare runs of equal length). ``stream=True`` prints
+    the text as it is produced; a callable receives the text pieces instead. ``cache`` picks the
+    KV cache: ``"static"`` (default), ``"paged"`` (``block_size=``), ``"sink"`` (``n_sink=``,
+    ``window=``), ``"h2o"`` (``budget=``, ``recent=``), or a fresh per-layer cache object
     (``minisparse.kvcache``). Sampling without ``seed`` draws from torch's global generator
     (``torch.manual_seed`` makes it repeatable). With ``compiled`` (default) a float32 model on
     the CPU decodes through ``minisparse.decode.Decoder`` (one compiled call per block half,
@@ -278,7 +280,7 @@ def generate(
     streamer = None
     if stream:
         streamer = TextStreamer(tokenizer, stream if callable(stream) else None)
-    stops = stop_ids(model, tokenizer)
+    stops = stop_ids(model, tokenizer) if stop_at_eos else set()
 
     tokens = torch.tensor([ids], dtype=torch.long, device=device)
     if not use_cache:

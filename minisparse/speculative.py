@@ -182,14 +182,16 @@ def speculative_generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
+    stop_at_eos: bool = True,
 ) -> tuple[list[int], SpeculativeStats]:
     """Generate like ``generate(target, ...)`` with a draft proposing ``gamma`` tokens per pass.
 
     Greedy (temperature 0) returns the target's greedy tokens; sampling returns tokens with the
     target's distribution (not the same tokens as ``generate`` for a seed: the random numbers
-    are used differently). Stops after an end-of-sequence token (included) or
-    ``max_new_tokens``. Returns (new token ids, ``SpeculativeStats``). Sampling without
-    ``seed`` draws from torch's global generator. Every argument is checked before any work.
+    are used differently). Stops after an end-of-sequence token (included; not with
+    ``stop_at_eos=False``) or ``max_new_tokens``. Returns (new token ids, ``SpeculativeStats``).
+    Sampling without ``seed`` draws from torch's global generator. Every argument is checked
+    before any work.
     """
     start_time = time.perf_counter()
     check_gamma(gamma)
@@ -203,7 +205,7 @@ def speculative_generate(
     total = check_length(target, len(ids), max_new_tokens)
     device = target.device
     generator = make_generator(device, seed, sampling=not sampling.greedy)
-    stops = stop_ids(target, tokenizer)
+    stops = stop_ids(target, tokenizer) if stop_at_eos else set()
     stats = SpeculativeStats()
     cache = make_cache(target.config, 1, total, target.dtype, device)
     # the compiled decoder verifies gamma + 1 tokens reading each weight once

@@ -41,6 +41,7 @@ __all__ = [
     "ModelSpeed",
     "copy_bandwidth",
     "interleaved_decode",
+    "interleaved_decode_steps",
     "interleaved_medians",
     "interleaved_per_token",
     "interleaved_times",
@@ -194,6 +195,44 @@ def interleaved_decode(
         name: ModelSpeed(1.0 / statistics.median(rounds[name]), tokens[name], rounds[name])
         for name in runs
     }
+
+
+def interleaved_decode_steps(
+    runs: dict[str, Callable[[int], list[int]]],
+    new_tokens: int,
+    repeats: int = 5,
+    warmup: int = 1,
+    progress: bool = True,
+) -> tuple[dict[str, ModelSpeed], dict[str, float]]:
+    """Decode speed without the prompt's cost: (speeds, seconds of prefill + first token).
+
+    ``run(n)`` generates exactly n tokens (no stop at end-of-sequence). In every round each
+    run is timed at 1 token and at ``new_tokens``, one after the other; the round's seconds
+    per decoded token are (t_n - t_1) / (n - 1), which removes the prefill, whatever its cost.
+    Speeds are one over the median of those; the tokens are the last ``new_tokens`` run's.
+    """
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be at least 2 (one is the prefill's), got {new_tokens}.")
+    tokens: dict[str, list[int]] = {}
+
+    def timed(name: str, n: int) -> Callable[[], None]:
+        def call() -> None:
+            tokens[name] = runs[name](n)
+
+        return call
+
+    fns: dict[str, Callable[[], object]] = {}
+    for name in runs:  # the 1-token run first: anything a run records is the long run's
+        fns[f"{name} @1"] = timed(name, 1)
+        fns[f"{name} @n"] = timed(name, new_tokens)
+    times = interleaved_times(fns, repeats, warmup, progress=progress, desc="decode steps")
+    speeds, prefill = {}, {}
+    for name in runs:
+        one, many = times[f"{name} @1"], times[f"{name} @n"]
+        rounds = [(t_n - t_1) / (new_tokens - 1) for t_n, t_1 in zip(many, one, strict=True)]
+        speeds[name] = ModelSpeed(1.0 / statistics.median(rounds), tokens[name], rounds)
+        prefill[name] = statistics.median(one)
+    return speeds, prefill
 
 
 def copy_bandwidth(

@@ -51,6 +51,12 @@ def test_stops_at_eos():
         model.config.eos_token_ids = []
     first = free.index(stop)
     assert stopped == free[: first + 1]
+    model.config.eos_token_ids = [stop]
+    try:
+        on = generate(model, IdTokenizer(), "4 5 6", max_new_tokens=20, stop_at_eos=False)
+    finally:
+        model.config.eos_token_ids = []
+    assert on == free  # every token, the end-of-sequence one included
 
 
 def test_top_k_and_top_p():

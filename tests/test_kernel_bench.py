@@ -168,6 +168,21 @@ def test_per_token_is_the_median_of_each_repeat_over_its_tokens(monkeypatch):
     assert speed.tok_s == 2.0 and speed.tokens == [1, 2, 3, 4]  # 4 tokens in 2 seconds
 
 
+def test_decode_steps_subtract_the_one_token_run_of_the_same_round(monkeypatch):
+    """Round 1: 1 token in 1 s, 5 tokens in 5 s -> (5 - 1) / 4 = 1 s per step; round 2: 2 s and
+    3 s -> 0.25 s. Speed 1 / median = 1 / 0.625; prefill (+ first token) median 1.5 s."""
+    clock = iter([0.0, 1.0, 1.0, 6.0, 10.0, 12.0, 12.0, 15.0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    asked = []
+    run = lambda n: asked.append(n) or list(range(n))  # noqa: E731
+    speeds, prefill = timing.interleaved_decode_steps({"m": run}, 5, 2, 0, progress=False)
+    assert asked == [1, 5, 1, 5]  # the short run first in each round
+    assert speeds["m"].rounds == [1.0, 0.25] and speeds["m"].tok_s == 1 / 0.625
+    assert speeds["m"].tokens == [0, 1, 2, 3, 4] and prefill == {"m": 1.5}
+    with pytest.raises(ValueError, match="at least 2"):
+        timing.interleaved_decode_steps({"m": run}, 1)
+
+
 def test_paired_speedup_is_the_median_of_the_ratios_within_rounds():
     """A machine twice as slow during round 3 slows both runs of that round: the pairs keep the
     speedup at 2, while the ratio of the two medians (4 / 3) would not."""

@@ -3,13 +3,16 @@
     minisparse bench engine [--configs NAME ...] [--max-new-tokens 64] [--repeats 3] [--json FILE]
 
 Every configuration of ``minisparse.engine`` in ``CONFIGS`` (plus chapter 04's ReLU model when
-the cache holds it) decodes the same grounded chat prompt greedily; the runs are interleaved
-within each repeat by the one timing harness and reported as tokens/s and as a ratio to the
-dense model of the same run. Beside speed: perplexity on held-out text (the engine's model;
-a speculative engine has its target's perplexity, since it emits the target's tokens), the
-weight bytes it reads per emitted token (``Engine.bytes_per_token``), the bytes of its
-parameters and buffers, whether its greedy tokens equal dense decoding, and
-whether it is on the Pareto front (no other configuration is both faster and better).
+the cache holds it) decodes the same grounded chat prompt greedily to exactly
+``--max-new-tokens`` tokens (no stop at end-of-turn, so every row decodes as many); the runs are
+interleaved within each repeat by the one timing harness, once at 1 token and once at all of
+them, so that the difference times the decode steps alone (the prefill is reported apart), and
+reported as tokens/s and as a ratio to the dense model of the same rounds. Beside speed:
+perplexity on held-out text (the engine's model; a speculative engine has its target's
+perplexity, since it emits the target's tokens), the weight bytes it reads per emitted token
+(``Engine.bytes_per_token``), the bytes of its parameters and buffers, whether its greedy tokens
+equal dense decoding, and whether it is on the Pareto front (no other configuration is both
+faster and better).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from ..checks import check_count
 from ..engine import EngineConfig, build
 from ..machine import machine
-from ..timing import interleaved_decode
+from ..timing import interleaved_decode_steps
 from .speculative import PROMPTS
 
 __all__ = [
@@ -60,14 +63,14 @@ RELU_CONFIGS: dict[str, EngineConfig] = {
 class EngineRow:
     name: str
     description: str
-    tok_s: float
-    ratio_to_dense: float
+    tok_s: float  # decode steps only: (t(n tokens) - t(1 token)) / (n - 1), median of rounds
+    ratio_to_dense: float  # median over rounds of dense's seconds per token / this row's
+    prefill_ms: float  # the prompt's prefill and the first token
     perplexity: float
     mb_per_token: float  # weight bytes read per emitted token (Engine.bytes_per_token)
     resident_mb: float
     same_tokens_as_dense: bool
     pareto: bool = False
-    new_tokens: int = 0  # tokens generated per run (a run that stops early times mostly prefill)
 
 
 def relu_model_cached() -> bool:
@@ -103,8 +106,11 @@ def bench_engine(
     if "dense" not in configs:
         raise ValueError("configs must include 'dense': every ratio is to the dense model.")
     engines = {name: build(base, tokenizer, cfg, calibration) for name, cfg in configs.items()}
-    runs = {name: (lambda e=e: e.generate(prompt, max_new_tokens)) for name, e in engines.items()}
-    speeds = interleaved_decode(runs, repeats=repeats, warmup=1, progress=progress)
+    runs = {
+        name: (lambda n, e=e: e.generate(prompt, n, stop_at_eos=False))
+        for name, e in engines.items()
+    }
+    speeds, prefill = interleaved_decode_steps(runs, max_new_tokens, repeats, progress=progress)
     dense = speeds["dense"]
     rows, scores = [], {}
     for name, e in engines.items():
@@ -117,12 +123,12 @@ def bench_engine(
                 name=name,
                 description=e.description,
                 tok_s=speeds[name].tok_s,
-                ratio_to_dense=speeds[name].tok_s / dense.tok_s,
+                ratio_to_dense=speeds[name].paired_speedup(dense),
+                prefill_ms=1e3 * prefill[name],
                 perplexity=ppl,
                 mb_per_token=e.bytes_per_token() / 1e6,
                 resident_mb=e.resident_bytes() / 1e6,
                 same_tokens_as_dense=speeds[name].tokens == dense.tokens,
-                new_tokens=len(speeds[name].tokens),
             )
         )
     return pareto(rows)
@@ -147,13 +153,13 @@ def engine_perplexity(engine: Any, eval_ids: torch.Tensor, seq_len: int = 256) -
 
 def format_rows(rows: list[EngineRow]) -> str:
     head = (
-        f"{'name':15s} {'tokens':>6s} {'tok/s':>7s} {'x dense':>8s} {'ppl':>7s} {'MB/tok':>7s} "
+        f"{'name':15s} {'prefill':>7s} {'tok/s':>7s} {'x dense':>8s} {'ppl':>7s} {'MB/tok':>7s} "
         f"{'MB':>6s}  same  Pareto"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.name:15s} {r.new_tokens:6d} {r.tok_s:7.1f} {r.ratio_to_dense:8.2f} "
+            f"{r.name:15s} {r.prefill_ms:5.0f}ms {r.tok_s:7.1f} {r.ratio_to_dense:8.2f} "
             f"{r.perplexity:7.2f} {r.mb_per_token:7.1f} {r.resident_mb:6.0f}  "
             f"{'yes ' if r.same_tokens_as_dense else 'no  '}  "
             f"{'*' if r.pareto else '':6s}  {r.description}"
