@@ -92,9 +92,15 @@ def test_greedy_stops_at_end_of_sequence_like_generate():
     model = tiny_model(seed=3, eos_token_ids=[stop])
     want = generate(model, None, ids, max_new_tokens=12)
     assert want[-1] == stop and len(want) < 12
+    free = generate(model, None, ids, max_new_tokens=12, stop_at_eos=False)
+    assert len(free) == 12 and free[: len(want)] == want
     for draft in (S.int8_draft(model), S.prompt_lookup_draft(2)):
         got, stats = S.speculative_generate(model, None, ids, draft, gamma=4, max_new_tokens=12)
         assert got == want and stats.new_tokens == len(want)
+        on, _ = S.speculative_generate(
+            model, None, ids, draft, gamma=4, max_new_tokens=12, stop_at_eos=False
+        )
+        assert on == free
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 7])
