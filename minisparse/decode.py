@@ -18,9 +18,10 @@ in C (``minisparse/kernels/decode_step.c``), each call one OpenMP parallel regio
 split the rows of every matrix between them. Scratch memory is allocated once per decoder.
 A projection whose input passes a TEAL threshold is read input-major (a transposed copy made
 once per decoder): the rows of the zeroed inputs are never read, so a share s of zero inputs
-skips a share s of its bytes. Projections may be float32 or weight-only int8 (chapter 09's
-``Int8Linear``: the codes are widened to floats in registers, a quarter of the bytes), and so
-may a ``SparseMLP``'s rows.
+skips a share s of its bytes. Projections may be float32, weight-only int8 (chapter 09's
+``Int8Linear``: the codes are widened to floats in registers, a quarter of the bytes) or int4
+(``Int4Linear.blocks``: 32 weights in 20 bytes, unpacked in registers), and a ``SparseMLP``'s
+rows float32 or int8.
 ``Decoder.forward`` takes up to ``MAX_TOKENS`` tokens at once and reads each weight once for
 all of them: the verification pass of speculative decoding (chapter 10) costs little more than
 one step.

@@ -182,6 +182,7 @@ def test_bench_engine_times_every_configuration_against_dense():
     assert by_name["lookup"].perplexity == by_name["dense"].perplexity
     assert by_name["int8"].resident_mb < by_name["dense"].resident_mb
     assert all(r.prefill_ms > 0 and r.tok_s > 0 for r in rows)
+    assert all(r.ratio_range[0] <= r.ratio_to_dense <= r.ratio_range[1] for r in rows)
     assert any(r.pareto for r in rows)
     with pytest.raises(ValueError, match="must include 'dense'"):
         bench_engine(model(), TOK, {"int8": configs["int8"]}, PROMPT, CALIB, eval_ids)
@@ -192,9 +193,10 @@ def test_pareto_marks_the_rows_nothing_beats():
 
     rows = pareto(
         [
-            EngineRow("a", "", 10.0, 1.0, 5.0, 12.0, 50.0, 1.0, True),
-            EngineRow("b", "", 20.0, 2.0, 5.0, 13.0, 50.0, 1.0, True),
-            EngineRow("c", "", 15.0, 1.5, 5.0, 14.0, 50.0, 1.0, True),  # slower, worse than b
+            EngineRow("a", "", 10.0, 1.0, (1.0, 1.0), 5.0, 12.0, 50.0, 1.0, True),
+            EngineRow("b", "", 20.0, 2.0, (2.0, 2.0), 5.0, 13.0, 50.0, 1.0, True),
+            # c: slower and worse than b
+            EngineRow("c", "", 15.0, 1.5, (1.5, 1.5), 5.0, 14.0, 50.0, 1.0, True),
         ]
     )
     assert [r.pareto for r in rows] == [True, True, False]

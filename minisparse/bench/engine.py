@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 from ..checks import check_count
 from ..engine import EngineConfig, build
 from ..machine import machine
-from ..timing import interleaved_decode_steps
+from ..timing import ModelSpeed, interleaved_decode_steps
 from .speculative import PROMPTS
 
 __all__ = [
@@ -65,6 +66,7 @@ class EngineRow:
     description: str
     tok_s: float  # decode steps only: (t(n tokens) - t(1 token)) / (n - 1), median of rounds
     ratio_to_dense: float  # median over rounds of dense's seconds per token / this row's
+    ratio_range: tuple[float, float]  # the lowest and highest of those per-round ratios
     prefill_ms: float  # the prompt's prefill and the first token
     perplexity: float
     mb_per_token: float  # weight bytes read per emitted token (Engine.bytes_per_token)
@@ -124,6 +126,7 @@ def bench_engine(
                 description=e.description,
                 tok_s=speeds[name].tok_s,
                 ratio_to_dense=speeds[name].paired_speedup(dense),
+                ratio_range=round_ratio_range(speeds[name], dense),
                 prefill_ms=1e3 * prefill[name],
                 perplexity=ppl,
                 mb_per_token=e.bytes_per_token() / 1e6,
@@ -132,6 +135,13 @@ def bench_engine(
             )
         )
     return pareto(rows)
+
+
+def round_ratio_range(speed: ModelSpeed, dense: ModelSpeed) -> tuple[float, float]:
+    """(lowest, highest) of dense's seconds per token over this run's, round by round: how far
+    the machine's noise moves the ratio within one benchmark."""
+    ratios = [d / s for d, s in zip(dense.rounds, speed.rounds, strict=True)]
+    return min(ratios), max(ratios)
 
 
 @torch.inference_mode()
@@ -153,13 +163,15 @@ def engine_perplexity(engine: Any, eval_ids: torch.Tensor, seq_len: int = 256) -
 
 def format_rows(rows: list[EngineRow]) -> str:
     head = (
-        f"{'name':15s} {'prefill':>7s} {'tok/s':>7s} {'x dense':>8s} {'ppl':>7s} {'MB/tok':>7s} "
+        f"{'name':15s} {'prefill':>7s} {'tok/s':>7s} {'x dense':>8s} {'rounds':>9s} {'ppl':>7s} "
+        f"{'MB/tok':>7s} "
         f"{'MB':>6s}  same  Pareto"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"{r.name:15s} {r.prefill_ms:5.0f}ms {r.tok_s:7.1f} {r.ratio_to_dense:8.2f} "
+            f"{r.ratio_range[0]:4.2f}-{r.ratio_range[1]:4.2f} "
             f"{r.perplexity:7.2f} {r.mb_per_token:7.1f} {r.resident_mb:6.0f}  "
             f"{'yes ' if r.same_tokens_as_dense else 'no  '}  "
             f"{'*' if r.pareto else '':6s}  {r.description}"
@@ -202,7 +214,14 @@ def run(args: argparse.Namespace) -> int:
     print(format_rows(rows))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": about.as_dict(), "rows": [asdict(r) for r in rows]}
+        payload = {
+            "machine": about.as_dict(),
+            "command": "minisparse " + " ".join(getattr(args, "argv", [])),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats,
+            "rows": [asdict(r) for r in rows],
+        }
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.json}")
     return 0
