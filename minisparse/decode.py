@@ -12,7 +12,8 @@ waking its threads again: milliseconds per token before any weight is read.
     x += Attn(in(RMSNorm(x)))      one call of ``attn_step``  (q/k/v, RoPE, cache write,
                                    softmax over the cache, o_proj, residual)
     x += MLP(in(RMSNorm(x)))       one call of ``mlp_step`` (dense) or ``sparse_mlp_step``
-                                   (a ``SparseMLP``: threshold or predictor, active rows only)
+                                   (a ``SparseMLP``: threshold or predictor, active rows only,
+                                   read once for all the tokens of a call)
 
 in C (``minisparse/kernels/decode_step.c``), each call one OpenMP parallel region whose threads
 split the rows of every matrix between them. Scratch memory is allocated once per decoder.
@@ -160,8 +161,8 @@ class Decoder:
         pos + B - 1 (each sees the cache and the tokens before it), cache updated.
 
         Each weight is read once for all B tokens: speculative decoding verifies gamma drafted
-        tokens at about the cost of one step. A sparse MLP runs as C for one token (the
-        active sets of several tokens differ) and as torch for more.
+        tokens at about the cost of one step. A sparse MLP reads the rows of the neurons active
+        for any of the B tokens once, as torch's ``SparseMLP`` does for several tokens.
         """
         n = len(tokens)
         if not 1 <= n <= MAX_TOKENS:
@@ -219,17 +220,19 @@ class Decoder:
     def _mlp(self, i: int, n: int, pos: int) -> str:
         half, ref = self.halves[2 * i + 1], self._refs[2 * i + 1]
         sparse = isinstance(half.c, SparseMlpLayer)
-        if ref is None or (sparse and n > 1):
+        if ref is None:
             layer, x = self.model.layers[i], self.x[:n].view(1, n, -1)
             x += layer.mlp(layer.mlp_in_act(layer.mlp_norm(x)))
             return "torch"
         if sparse:
             mlp = self.model.layers[i].mlp
             count = self.lib.sparse_mlp_step(
-                ref, self.x.data_ptr(), self.scratch.data_ptr(), self.threads
+                ref, self.x.data_ptr(), n, self.scratch.data_ptr(), self.threads
             )
             mlp.last_density, mlp.last_keep = count / half.c.ffn, None
-            mlp.step_density = [mlp.step_density[0] + mlp.last_density, mlp.step_density[1] + 1]
+            if n == 1:  # a decode step: what it read counts towards bytes per token (as torch)
+                step = mlp.step_density
+                mlp.step_density = [step[0] + mlp.last_density, step[1] + 1]
             return "sparse mlp"
         self.lib.mlp_step(ref, self.x.data_ptr(), n, self.scratch.data_ptr(), self.threads)
         return "mlp"

@@ -133,7 +133,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sparse_mlp_scratch.restype = i64
     lib.attn_step.argtypes, lib.attn_step.restype = [p, p, i64, i64, p, c_int], c_int
     lib.mlp_step.argtypes, lib.mlp_step.restype = [p, p, i64, p, c_int], c_int
-    lib.sparse_mlp_step.argtypes, lib.sparse_mlp_step.restype = [p, p, p, c_int], i64
+    lib.sparse_mlp_step.argtypes, lib.sparse_mlp_step.restype = [p, p, i64, p, c_int], i64
     lib.lm_head_step.argtypes = [p, i64, p, ctypes.c_float, ctypes.POINTER(Mat), i64, i64, p, p]
     lib.lm_head_step.argtypes.append(c_int)
     lib.lm_head_step.restype = c_int

@@ -278,7 +278,14 @@ def _pareto_cases(gen: torch.Generator) -> Cases:
 def _pareto(points: list[tuple[float, float]]) -> list[bool]:
     from .bench.engine import EngineRow, pareto
 
-    rows = [EngineRow(f"{i}", "", s, 1.0, p, 0.0, 0.0, False) for i, (s, p) in enumerate(points)]
+    rows = [
+        EngineRow(
+            name=f"{i}", description="", tok_s=s, ratio_to_dense=1.0, ratio_range=(1.0, 1.0),
+            prefill_ms=0.0, perplexity=p, mb_per_token=0.0, resident_mb=0.0,
+            same_tokens_as_dense=False,
+        )
+        for i, (s, p) in enumerate(points)
+    ]  # fmt: skip
     return [row.pareto for row in pareto(rows)]
 
 

@@ -125,9 +125,9 @@ def test_sparse_mlp_threshold_mode():
     assert all(0.05 < d < 0.95 for d in densities), densities  # really sparse, not empty
 
 
-@needs_compiler
-@pytest.mark.parametrize("kind", ["lowrank", "mlp"])
-def test_sparse_mlp_predictor_mode(kind):
+def predicted_model(kind: str):
+    """A tiny model whose MLPs run the neurons random chapter 06 predictors of ``kind`` pick
+    (biased so that about half of them are on)."""
     model = tiny_model(seed=8, std=0.1)
     c = model.config
     neurons = nn.ModuleList(
@@ -139,6 +139,13 @@ def test_sparse_mlp_predictor_mode(kind):
             p.cutoff.fill_(0.1)
     predictors = Predictors(neurons=neurons, thresholds=[0.0] * c.n_layers, kind=kind)
     sparsify(model, select=predictors.select)
+    return model
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["lowrank", "mlp"])
+def test_sparse_mlp_predictor_mode(kind):
+    model = predicted_model(kind)
     ref, got, decoder = decode_both(model)
     assert all_c(decoder)
     assert_close(ref, got)
@@ -241,21 +248,32 @@ def test_several_tokens_in_one_call_equal_the_cached_forward(n, weights):
 
 
 @needs_compiler
-def test_several_tokens_through_a_sparse_mlp_run_it_as_torch():
-    model = tiny_model(seed=15, std=0.1)
-    sparsify(model, thresholds=0.1)
-    tokens = torch.randint(
-        0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(16)
-    )
+@pytest.mark.parametrize("mode", ["threshold", "lowrank", "mlp"])
+@pytest.mark.parametrize("n", [2, 5])
+def test_several_tokens_through_a_sparse_mlp_run_in_c_like_torch(mode, n):
+    """A verification pass through sparse MLPs runs in C: the rows of the neurons active for any
+    of the n tokens are read once, each token keeping its own neurons (thresholds) or all of
+    them (predictors: the union, as ``SparseMLP`` computes for several tokens)."""
+    if mode == "threshold":
+        model = tiny_model(seed=15, std=0.1)
+        sparsify(model, thresholds=0.3)  # about a quarter of the neurons per token
+    else:
+        model = predicted_model(mode)
+    gen = torch.Generator().manual_seed(16)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 5 + n), generator=gen)
     with torch.inference_mode():
         ref_cache, dec_cache = make_cache(model.config, 1, 12), make_cache(model.config, 1, 12)
         for cache in (ref_cache, dec_cache):
             model(tokens[:, :5], torch.arange(5), cache)
         times: dict[str, float] = {}
-        got = Decoder(model, dec_cache).forward(tokens[0, 5:].tolist(), 5, times).clone()
-        ref = model(tokens[:, 5:], torch.arange(5, 9), ref_cache)[0]
+        decoder = Decoder(model, dec_cache)
+        got = decoder.forward(tokens[0, 5:].tolist(), 5, times).clone()
+        read = [layer.mlp.last_density for layer in model.layers]
+        ref = model(tokens[:, 5:], torch.arange(5, 5 + n), ref_cache)[0]
     assert_close(ref, got)
-    assert "torch" in times and "sparse mlp" not in times and "attention" in times
+    assert "sparse mlp" in times and "torch" not in times
+    assert read == [layer.mlp.last_density for layer in model.layers]  # the same union
+    assert all(0.05 < d < 1 for d in read), read
 
 
 def test_token_ids_outside_the_vocabulary_and_negative_positions_are_errors():

@@ -105,6 +105,9 @@ def test_the_compiled_decode_step_runs_sparse_int8_mlps_like_torch():
     assert all(line.endswith(": C") for line in compiled.plan())
     for i in range(len(model.layers)):  # the MLP halves of the second one as torch modules
         torch_mlps._refs[2 * i + 1] = None
+    several = tokens[0, 6:11].tolist()  # a verification pass: int8 rows read once for 5 tokens
+    got, ref = compiled.forward(several, 6).clone(), torch_mlps.forward(several, 6)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
     for pos in range(6, 12):
         got = compiled.step(int(tokens[0, pos]), pos).clone()
         densities = [layer.mlp.last_density for layer in model.layers]

@@ -380,95 +380,137 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
 DOWN_GROUP(down_group, float, load16, 16, 0)
 DOWN_GROUP(down_group_i8, int8_t, load16_i8, 64, 1)
 
-/* Scratch floats sparse_mlp_step needs: the indices (int64, two floats each), the norm, the
-   gate values or logits, the predictor's bottleneck, the values, one partial output per thread. */
+/* Scratch floats sparse_mlp_step needs for up to MAX_TOKENS tokens: the indices (int64, two
+   floats each), the norms, the gate values or logits, the predictor's bottleneck, the values,
+   one partial output per thread. */
 int64_t sparse_mlp_scratch(int64_t dim, int64_t ffn, int64_t rank, int num_threads) {
-    return dim + ffn + rank + 2 * ffn + ffn + (int64_t)num_threads * dim;
+    return 2 * ffn + MAX_TOKENS * (dim + 2 * ffn + rank + (int64_t)num_threads * dim);
 }
 
-/* x += the gated MLP over the active neurons only. Threshold mode (pu == NULL): the gate is
-   dense, neuron j is active when |act(g_j)| > threshold, and only its up row and down row are
-   read. Predictor mode: logits z = pv (pu n + pu_bias, ReLU'd for the MLP kind) + pv_bias,
-   neuron j is active when z_j > cutoff; then gate, up and down read only the active rows.
-   Returns the number of active neurons (for reporting), or -1 on a bad argument. */
-int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, float* scratch, int num_threads) {
+/* x[b] += the gated MLP of B <= MAX_TOKENS tokens over the active neurons only. Threshold mode
+   (pu == NULL): the gate is dense, neuron j is active for token b when |act(g_bj)| > threshold;
+   the up and down rows of the neurons active for any token are read once for all of them, and
+   each token keeps its own neurons (h_bj = 0 where j is not active for b). Predictor mode:
+   logits z = pv (pu n + pu_bias, ReLU'd for the MLP kind) + pv_bias, neuron j is active when
+   z_bj > cutoff for some token b, and every token runs the union (as torch's SparseMLP does);
+   gate, up and down read only those rows. Returns the number of neurons read (for
+   reporting), or -1 on a bad argument. */
+int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, int64_t B, float* scratch,
+                        int num_threads) {
     const int64_t D = L->dim, F = L->ffn, R = L->rank;
+    if (B < 1 || B > MAX_TOKENS) return -1;
     int64_t* idx = (int64_t*)scratch;  /* first, so that it is 8-byte aligned */
-    float* n = (float*)(idx + F);
-    float* a = n + D;                  /* act(gate) of every neuron (threshold) or logits */
-    float* t = a + F;                  /* predictor bottleneck [rank] */
-    float* hv = t + R;                 /* values of the active neurons */
-    float* parts = hv + F;             /* [threads, D] */
+    float* n = (float*)(idx + F);      /* [B, D] */
+    float* a = n + B * D;              /* [B, F]: act(gate) (threshold mode) or logits */
+    float* t = a + B * F;              /* [B, rank]: the predictor's bottleneck */
+    float* hv = t + B * R;             /* [B, F]: values of the active neurons, in idx order */
+    float* parts = hv + B * F;         /* [threads, B, D] */
     int64_t count = 0;
     const int predicted = L->pu != 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        #pragma omp single
-        {
-            rmsnorm(x, L->norm, L->eps, D, n);
-            for (int64_t i = 0; i < D; i++) n[i] = slot(L->in, n[i]);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            rmsnorm(x + b * D, L->norm, L->eps, D, n + b * D);
+            for (int64_t i = 0; i < D; i++) n[b * D + i] = slot(L->in, n[b * D + i]);
         }
         if (predicted) {  /* z = pv act(pu n + pu_bias) + pv_bias */
             #pragma omp for schedule(static)
-            for (int64_t r = 0; r < R; r++) {
-                float z = dot(L->pu + r * D, n, D) + (L->pu_bias ? L->pu_bias[r] : 0.0f);
-                t[r] = L->predictor_relu && z < 0.0f ? 0.0f : z;
-            }
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t b = 0; b < B; b++) {
+                    float z = dot(L->pu + r * D, n + b * D, D) + (L->pu_bias ? L->pu_bias[r] : 0.0f);
+                    t[b * R + r] = L->predictor_relu && z < 0.0f ? 0.0f : z;
+                }
             #pragma omp for schedule(static)
-            for (int64_t j = 0; j < F; j++) a[j] = dot(L->pv + j * R, t, R) + L->pv_bias[j];
-        } else if (L->wg.scale) {  /* int8 gate: the dense gate decides (gemv_rows) */
+            for (int64_t j = 0; j < F; j++)
+                for (int64_t b = 0; b < B; b++)
+                    a[b * F + j] = dot(L->pv + j * R, t + b * R, R) + L->pv_bias[j];
+        } else if (B == 1 && L->wg.scale) {  /* int8 gate: the dense gate decides (gemv_rows) */
             gemv_rows(L->wg, 0, n, a, F, D);
             #pragma omp barrier
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, a[j]);
-        } else {  /* the dense float32 gate decides, one row at a time as in mlp_step */
+        } else if (B == 1) {  /* the dense float32 gate decides, one row at a time as in mlp_step */
             const float* wg = (const float*)L->wg.data;
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, dot(wg + j * D, n, D));
+        } else {  /* several tokens: each gate row read once for all of them */
+            #pragma omp for schedule(static)
+            for (int64_t j = 0; j < F; j++) {
+                float g[MAX_TOKENS];
+                mdot_tokens(L->wg, j, n, B, D, g);
+                for (int64_t b = 0; b < B; b++) a[b * F + j] = activate(L->act, g[b]);
+            }
         }
         #pragma omp single
         {
-            for (int64_t j = 0; j < F; j++)
-                if (predicted ? a[j] > L->cutoff : fabsf(a[j]) > L->threshold) idx[count++] = j;
-        }
-        /* gate (predictor mode) and up of the active neurons, four at a time: four row streams
-           in flight per matrix (a short tail group repeats its last row). */
-        #pragma omp for schedule(static)
-        for (int64_t q = 0; q < (count + 3) / 4; q++) {
-            int64_t m = count - 4 * q < 4 ? count - 4 * q : 4, rows[4];
-            float g[4], u[4];
-            for (int r = 0; r < 4; r++) rows[r] = idx[4 * q + (r < m ? r : m - 1)];
-            if (predicted) {
-                mdot4_at(L->wg, rows, D, n, g);
-                for (int r = 0; r < 4; r++) g[r] = activate(L->act, g[r]);
-            } else {
-                for (int r = 0; r < 4; r++) g[r] = a[rows[r]];
+            for (int64_t j = 0; j < F; j++) {
+                int on = 0;
+                for (int64_t b = 0; b < B; b++)
+                    on |= predicted ? a[b * F + j] > L->cutoff : fabsf(a[b * F + j]) > L->threshold;
+                if (on) idx[count++] = j;
             }
-            mdot4_at(L->wu, rows, D, n, u);
-            for (int64_t r = 0; r < m; r++) hv[4 * q + r] = g[r] * u[r];
         }
-        /* y = sum_i hv[i] W_down_t[idx[i]]: groups of GROUP rows summed in registers, each
-           thread into its own partial sum, then the partials added to x. Int8 rows: the codes
-           are summed, and the per-output scale multiplies the total (it factors out). */
-        float* part = parts + (int64_t)THREAD_ID() * D;
-        for (int64_t c = 0; c < D; c++) part[c] = 0.0f;
+        if (B == 1) {
+            /* gate (predictor mode) and up of the active neurons, four at a time: four row
+               streams in flight per matrix (a short tail group repeats its last row). */
+            #pragma omp for schedule(static)
+            for (int64_t q = 0; q < (count + 3) / 4; q++) {
+                int64_t m = count - 4 * q < 4 ? count - 4 * q : 4, rows[4];
+                float g[4], u[4];
+                for (int r = 0; r < 4; r++) rows[r] = idx[4 * q + (r < m ? r : m - 1)];
+                if (predicted) {
+                    mdot4_at(L->wg, rows, D, n, g);
+                    for (int r = 0; r < 4; r++) g[r] = activate(L->act, g[r]);
+                } else {
+                    for (int r = 0; r < 4; r++) g[r] = a[rows[r]];
+                }
+                mdot4_at(L->wu, rows, D, n, u);
+                for (int64_t r = 0; r < m; r++) hv[4 * q + r] = g[r] * u[r];
+            }
+        } else {  /* each active row read once for all B tokens */
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < count; i++) {
+                const int64_t j = idx[i];
+                float g[MAX_TOKENS], u[MAX_TOKENS];
+                if (predicted) {
+                    mdot_tokens2(L->wg, L->wu, j, n, B, D, g, u);
+                    for (int64_t b = 0; b < B; b++) hv[b * F + i] = activate(L->act, g[b]) * u[b];
+                } else {
+                    mdot_tokens(L->wu, j, n, B, D, u);
+                    for (int64_t b = 0; b < B; b++) {
+                        float ab = a[b * F + j];
+                        hv[b * F + i] = fabsf(ab) > L->threshold ? ab * u[b] : 0.0f;
+                    }
+                }
+            }
+        }
+        /* y[b] = sum_i hv[b, i] W_down_t[idx[i]]: groups of GROUP rows summed in registers, each
+           thread into its own partial sums, then the partials added to x. The group's rows are
+           read from memory for the first token and from cache for the others. Int8 rows: the
+           codes are summed, and the per-output scale multiplies the total (it factors out). */
+        float* part = parts + (int64_t)THREAD_ID() * B * D;
+        for (int64_t c = 0; c < B * D; c++) part[c] = 0.0f;
         #pragma omp for schedule(dynamic, 2)
         for (int64_t g0 = 0; g0 < count; g0 += GROUP) {
             int64_t g = count - g0 < GROUP ? count - g0 : GROUP;
-            if (L->wd_t.scale)
-                down_group_i8((const int8_t*)L->wd_t.data, idx + g0, g, idx + g0 + g,
-                              count - g0 - g, hv + g0, part, D);
-            else
-                down_group((const float*)L->wd_t.data, idx + g0, g, idx + g0 + g,
-                           count - g0 - g, hv + g0, part, D);
+            for (int64_t b = 0; b < B; b++) {
+                int64_t left = b == 0 ? count - g0 - g : 0;  /* prefetch once per group */
+                if (L->wd_t.scale)
+                    down_group_i8((const int8_t*)L->wd_t.data, idx + g0, g, idx + g0 + g, left,
+                                  hv + b * F + g0, part + b * D, D);
+                else
+                    down_group((const float*)L->wd_t.data, idx + g0, g, idx + g0 + g, left,
+                               hv + b * F + g0, part + b * D, D);
+            }
         }
         int nt = THREADS();
         const float* sd = L->wd_t.scale;
         #pragma omp for schedule(static)
-        for (int64_t c = 0; c < D; c++) {
+        for (int64_t c = 0; c < B * D; c++) {
             float s = 0.0f;
-            for (int p = 0; p < nt; p++) s += parts[p * D + c];
-            x[c] += sd ? sd[c] * s : s;
+            for (int p = 0; p < nt; p++) s += parts[p * B * D + c];
+            x[c] += sd ? sd[c % D] * s : s;
         }
     }
     return count;
