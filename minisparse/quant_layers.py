@@ -188,7 +188,7 @@ class Int4Linear(PackedLinear):
     ``_weight_int4pack_mm_for_cpu`` on bfloat16 activations. That kernel computes
     ŵ = (u - 8) * s + z for unsigned codes u in [0, 15]; our x̂ = s q + m becomes u = q + c
     (c = 8 for symmetric codes, 0 for asymmetric ones) and z = m + (8 - c) s. The kernel's
-    packed layout is its own (tiled, and not the same on every CPU), so the layer also keeps
+    packed layout is its own (tiled, an implementation detail of torch), so the layer also keeps
     the same codes and parameters in ``blocks`` (``q4_blocks``): what the compiled decode step
     reads, and what ``dequantized`` computes the weight from. A step reads one of the two
     copies (``duplicate_buffers``). Otherwise (no kernel) the layer keeps the codes (one byte
