@@ -67,6 +67,7 @@ from .sparse_mlp_weights import (
 __all__ = [
     "ACT_NAMES",
     "BACKENDS",
+    "PREFILL_TOKENS",
     "MaskedMLP",
     "Selector",
     "SparseMLP",
@@ -95,6 +96,11 @@ def activation_name(act: nn.Module) -> str | None:
     if isinstance(act, nn.GELU):
         return "gelu" if act.approximate == "none" else None
     return ACT_NAMES.get(type(act))
+
+
+#: More tokens than this in one call (more than a decode step or a verification pass takes) are
+#: a prompt's prefill, which reads every neuron through dense matmuls (``SparseMLP``).
+PREFILL_TOKENS = 8
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -149,6 +155,9 @@ class SparseMLP(nn.Module):
     CUDA, C fast path on CPU), "cpu" or "triton"; the module keeps the name and picks the
     kernels at each call from where its weights are, so it can be deep-copied, pickled and
     moved between devices.
+
+    More than ``PREFILL_TOKENS`` float32 tokens at once on the CPU (a prompt's prefill) read the
+    whole matrices with dense matmuls and mask them: their union is nearly every neuron.
 
     Its ``state_dict`` is the dense MLP's (``gate_proj.weight``, ``up_proj.weight``,
     ``down_proj.weight`` [dim, ffn]): a sparsified model saves and loads the same checkpoints
@@ -271,13 +280,41 @@ class SparseMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.threshold is not None:
+        if self._many(flat):
+            y = self._forward_many(flat)
+        elif self.threshold is not None:
             y = self._forward_threshold(flat)
         else:
             y = self._forward_select(flat)
         if flat.shape[0] == 1:  # a decode step: what it read counts towards bytes per token
             self.step_density = [self.step_density[0] + self.last_density, self.step_density[1] + 1]
         return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _many(self, x: Tensor) -> bool:
+        """More than ``PREFILL_TOKENS`` float32 tokens at once on the CPU kernels: a prefill."""
+        return (
+            x.shape[0] > PREFILL_TOKENS
+            and not self.int8
+            and resolve_backend(self.backend, x.device) == "cpu"
+        )
+
+    def _forward_many(self, x: Tensor) -> Tensor:
+        """A prompt's prefill: the neurons active for some token of a long prompt are nearly all
+        of them, so gathering their rows reads the whole matrices anyway, one token vector at a
+        time; torch's dense matmuls read them once for all tokens, blocked for the cache. Each
+        token keeps only its own neurons (thresholds) or the union (select), as in the
+        gathered paths, so the values are theirs up to float32 rounding."""
+        a = self.act(x @ self.W_gate.T)
+        if self.threshold is not None:
+            keep = a.abs() > self.threshold
+            idx = keep.any(0).nonzero().flatten()
+        else:
+            idx = self.select(x).to(device=x.device, dtype=torch.int64)
+            keep = torch.zeros(x.shape[0], self.ffn_dim, dtype=torch.bool, device=x.device)
+            keep[:, idx] = True
+        self.last_density, self.last_keep = idx.numel() / self.ffn_dim, keep
+        h = torch.where(keep, a * (x @ self.W_up.T), torch.zeros((), dtype=x.dtype))
+        return h @ self.W_down_t
 
     def _rows(self, name: str, x: Tensor, idx: Tensor) -> Tensor:
         """x @ W_name[idx].T for name "gate" or "up": [tokens, n]."""

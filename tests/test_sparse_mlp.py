@@ -91,6 +91,31 @@ def test_single_mlp_batch_union_and_own_masks():
     assert keep.float().mean().item() < sp.last_density  # each token keeps fewer
 
 
+@pytest.mark.parametrize("mode", ["threshold", "select"])
+def test_a_prefill_of_many_tokens_reads_dense_matrices_with_the_same_values(mode):
+    """More than PREFILL_TOKENS tokens run as dense matmuls masked per token: the same outputs
+    as the gathered kernels on chunks of at most PREFILL_TOKENS tokens (each token's output
+    depends only on itself), and as the masked dense MLP; the union is still reported."""
+    torch.manual_seed(1)
+    mlp = MLP(ModelConfig(dim=33, ffn_dim=51, n_heads=3, n_kv_heads=1))
+    hot = torch.randperm(51, generator=torch.Generator().manual_seed(2))[:20]
+    kw = {"threshold": 0.05} if mode == "threshold" else {"select": lambda x: hot}
+    sp, ref = S.SparseMLP(mlp, backend="cpu", **kw), S.MaskedMLP(mlp, **kw)
+    x = torch.randn(3 * S.PREFILL_TOKENS, 33)
+    assert sp._many(x) and not sp._many(x[: S.PREFILL_TOKENS])
+    with torch.no_grad():
+        many = sp(x)
+        keep, density = sp.last_keep, sp.last_density
+        chunks = torch.cat([sp(c) for c in x.split(S.PREFILL_TOKENS)])
+        assert (many - chunks).abs().max().item() <= 1e-5
+        assert (many - ref(x)).abs().max().item() <= 1e-5
+    assert density == pytest.approx(keep.any(0).float().mean().item())
+    if mode == "threshold":
+        assert keep.float().mean().item() < density  # each token keeps fewer than the union
+    else:
+        assert density == 20 / 51
+
+
 def test_sparsify_and_swap_back():
     model = tiny()
     dense = S.sparsify(model, 0.1)
