@@ -158,13 +158,16 @@ class ModelSpeed:
     tokens: list[int]
     rounds: list[float] = field(default_factory=list)
 
+    def round_speedups(self, reference: ModelSpeed) -> list[float]:
+        """Reference / own seconds per token, one value per round."""
+        return [ref / own for ref, own in zip(reference.rounds, self.rounds, strict=True)]
+
     def paired_speedup(self, reference: ModelSpeed) -> float:
         """Median over rounds of reference / own seconds per token. The two ran back to back in
         each round, so a change of the machine's speed that spans a round cancels in the pair;
         a ratio of the two medians would keep it when the rounds of the two fall in different
         phases of a noisy machine."""
-        pairs = zip(reference.rounds, self.rounds, strict=True)
-        return statistics.median(ref / own for ref, own in pairs)
+        return statistics.median(self.round_speedups(reference))
 
 
 def interleaved_decode(

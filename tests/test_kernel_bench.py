@@ -188,6 +188,7 @@ def test_paired_speedup_is_the_median_of_the_ratios_within_rounds():
     speedup at 2, while the ratio of the two medians (4 / 3) would not."""
     reference = timing.ModelSpeed(0.25, [], [2.0, 4.0, 10.0])
     faster = timing.ModelSpeed(1 / 3, [], [1.0, 4.0, 3.0])
+    assert faster.round_speedups(reference) == pytest.approx([2.0, 1.0, 10 / 3])
     assert faster.paired_speedup(reference) == pytest.approx(2.0)
     with pytest.raises(ValueError):  # the rounds must pair up
         faster.paired_speedup(timing.ModelSpeed(1.0, [], [1.0]))

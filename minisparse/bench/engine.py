@@ -30,7 +30,7 @@ import torch
 from ..checks import check_count
 from ..engine import EngineConfig, build
 from ..machine import machine
-from ..timing import ModelSpeed, interleaved_decode_steps
+from ..timing import interleaved_decode_steps
 from .speculative import PROMPTS
 
 __all__ = [
@@ -116,6 +116,7 @@ def bench_engine(
     dense = speeds["dense"]
     rows, scores = [], {}
     for name, e in engines.items():
+        per_round = speeds[name].round_speedups(dense)  # how far noise moves the ratio
         model_config = dataclasses.replace(e.config, draft=None)  # a draft leaves the model as is
         if model_config not in scores:
             scores[model_config] = engine_perplexity(e, eval_ids, seq_len)
@@ -126,7 +127,7 @@ def bench_engine(
                 description=e.description,
                 tok_s=speeds[name].tok_s,
                 ratio_to_dense=speeds[name].paired_speedup(dense),
-                ratio_range=round_ratio_range(speeds[name], dense),
+                ratio_range=(min(per_round), max(per_round)),
                 prefill_ms=1e3 * prefill[name],
                 perplexity=ppl,
                 mb_per_token=e.bytes_per_token() / 1e6,
@@ -135,13 +136,6 @@ def bench_engine(
             )
         )
     return pareto(rows)
-
-
-def round_ratio_range(speed: ModelSpeed, dense: ModelSpeed) -> tuple[float, float]:
-    """(lowest, highest) of dense's seconds per token over this run's, round by round: how far
-    the machine's noise moves the ratio within one benchmark."""
-    ratios = [d / s for d, s in zip(dense.rounds, speed.rounds, strict=True)]
-    return min(ratios), max(ratios)
 
 
 @torch.inference_mode()
