@@ -118,7 +118,26 @@ def resolve_compiler(spec: str) -> Compiler | None:
     return Compiler(command, path, (proc.stdout + proc.stderr).strip())
 
 
-def library_key(compiler: Compiler, source: str = C_SOURCE) -> str:
+def with_local_headers(source: str, folder: Path | None = None) -> str:
+    """``source`` with each ``#include "NAME.h"`` replaced by that header of this package.
+
+    The libraries are compiled from one text in a temporary folder (and cached under a hash
+    of that text), so a shared header is pasted in rather than found on an include path; its
+    changes then change the cache key too.
+    """
+    folder = folder or Path(__file__).parent
+
+    def paste(match: re.Match[str]) -> str:
+        return (folder / match.group(1)).read_text()
+
+    return re.sub(r'^#include "([\w.]+\.h)"$', paste, source, flags=re.MULTILINE)
+
+
+# The sparse loops' text with simd.h pasted in: what is compiled and hashed.
+LOOPS_SOURCE = with_local_headers(C_SOURCE)
+
+
+def library_key(compiler: Compiler, source: str = LOOPS_SOURCE) -> str:
     """Hash of everything the compiled file depends on: source, compiler, flags, platform, CPU."""
     parts = [
         source,
@@ -133,7 +152,7 @@ def library_key(compiler: Compiler, source: str = C_SOURCE) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _compile(compiler: Compiler, out: Path, source: str = C_SOURCE) -> None:
+def _compile(compiler: Compiler, out: Path, source: str = LOOPS_SOURCE) -> None:
     """Compile ``source`` to the shared library ``out`` with the first flags of FLAG_LADDER the
     compiler accepts (atomically: a temporary file, then a rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -154,7 +173,7 @@ def _compile(compiler: Compiler, out: Path, source: str = C_SOURCE) -> None:
         raise RuntimeError(last_error)
 
 
-def _open(compiler: Compiler, path: Path, source: str = C_SOURCE) -> ctypes.CDLL:
+def _open(compiler: Compiler, path: Path, source: str = LOOPS_SOURCE) -> ctypes.CDLL:
     """The library at ``path``, compiled first when missing or damaged."""
     if not path.exists():
         _compile(compiler, path, source)
@@ -200,21 +219,6 @@ def load_library() -> ctypes.CDLL | None:
             stacklevel=3,
         )
     return lib
-
-
-def with_local_headers(source: str, folder: Path | None = None) -> str:
-    """``source`` with each ``#include "NAME.h"`` replaced by that header of this package.
-
-    The libraries are compiled from one text in a temporary folder (and cached under a hash
-    of that text), so a shared header is pasted in rather than found on an include path; its
-    changes then change the cache key too.
-    """
-    folder = folder or Path(__file__).parent
-
-    def paste(match: re.Match[str]) -> str:
-        return (folder / match.group(1)).read_text()
-
-    return re.sub(r'^#include "([\w.]+\.h)"$', paste, source, flags=re.MULTILINE)
 
 
 def load_source_library(

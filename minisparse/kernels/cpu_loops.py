@@ -52,27 +52,22 @@ C_SOURCE = r"""
 #define BAD_INDEX 1
 #define NO_MEMORY 2
 
-/* 16 floats in one vector register (AVX-512), or split over smaller ones elsewhere. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
-static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, 64); }
+#include "simd.h"
 
 /* row . x with four independent vector accumulators; while it reads row, it asks the memory
    system for the same 256 bytes of the next row to come (next may be 0). */
 static float dot_prefetch(const float* row, const float* x, int64_t K, const float* next) {
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    v16 a0 = zero16(), a1 = zero16(), a2 = zero16(), a3 = zero16();
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
         if (next)
             for (int q = 0; q < 64; q += 16) __builtin_prefetch(next + k + q, 0, 0);
-        a0 += load16(row + k) * load16(x + k);
-        a1 += load16(row + k + 16) * load16(x + k + 16);
-        a2 += load16(row + k + 32) * load16(x + k + 32);
-        a3 += load16(row + k + 48) * load16(x + k + 48);
+        a0 = madd16(load16(row + k), load16(x + k), a0);
+        a1 = madd16(load16(row + k + 16), load16(x + k + 16), a1);
+        a2 = madd16(load16(row + k + 32), load16(x + k + 32), a2);
+        a3 = madd16(load16(row + k + 48), load16(x + k + 48), a3);
     }
-    v16 s = (a0 + a1) + (a2 + a3);
-    float acc = 0.0f;
-    for (int q = 0; q < 16; q++) acc += s[q];
+    float acc = hsum16(add16(add16(a0, a1), add16(a2, a3)));
     for (; k < K; k++) acc += row[k] * x[k];
     return acc;
 }
@@ -87,18 +82,18 @@ static void axpy_group(float* y, const float* a, const float* const* rows, int g
     for (; c + 64 <= N; c += 64) {
         for (int r = 0; r < ng; r++)
             for (int q = 0; q < 64; q += 16) __builtin_prefetch(next[r] + c + q, 0, 0);
-        v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        v16 s0 = zero16(), s1 = zero16(), s2 = zero16(), s3 = zero16();
         for (int r = 0; r < g; r++) {
             const float* row = rows[r] + c;
-            s0 += a[r] * load16(row);
-            s1 += a[r] * load16(row + 16);
-            s2 += a[r] * load16(row + 32);
-            s3 += a[r] * load16(row + 48);
+            s0 = smadd16(a[r], load16(row), s0);
+            s1 = smadd16(a[r], load16(row + 16), s1);
+            s2 = smadd16(a[r], load16(row + 32), s2);
+            s3 = smadd16(a[r], load16(row + 48), s3);
         }
-        store16(y + c, load16(y + c) + s0);
-        store16(y + c + 16, load16(y + c + 16) + s1);
-        store16(y + c + 32, load16(y + c + 32) + s2);
-        store16(y + c + 48, load16(y + c + 48) + s3);
+        store16(y + c, add16(load16(y + c), s0));
+        store16(y + c + 16, add16(load16(y + c + 16), s1));
+        store16(y + c + 32, add16(load16(y + c + 32), s2));
+        store16(y + c + 48, add16(load16(y + c + 48), s3));
     }
     for (; c < N; c++) {
         float acc = 0.0f;

@@ -141,8 +141,8 @@ static void gemm_cols(const float* Wt, int64_t S, int n_proj, const int64_t* N, 
             int64_t c = 0;
             for (; c + 16 <= total; c += 16) {
                 v16 acc = load16(y + c);
-                for (int64_t r = 0; r < g; r++) acc += h[r] * load16(Wt + rows[r] * S + c);
-                __builtin_memcpy(y + c, &acc, 64);
+                for (int64_t r = 0; r < g; r++) acc = smadd16(h[r], load16(Wt + rows[r] * S + c), acc);
+                store16(y + c, acc);
             }
             for (; c < total; c++)
                 for (int64_t r = 0; r < g; r++) y[c] += h[r] * Wt[rows[r] * S + c];
@@ -354,21 +354,17 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
 }
 
 /* part += sum_r h[r] W[rows[r]] over g <= GROUP rows of W [*, D] (float32 or int8 codes, one
-   function each), summed in registers; the next group's rows (up to GROUP of `left`) are
-   prefetched meanwhile. */
-#define DOWN_GROUP(NAME, T, LOAD16, LINE, LOCALITY)                                           \
-    static void NAME(const T* W, const int64_t* rows, int64_t g, const int64_t* next,          \
-                     int64_t left, const float* h, float* part, int64_t D) {                   \
-        for (int64_t r = 0; r < GROUP && r < left; r++)                                        \
-            for (int64_t k = 0; k < D; k += LINE)                                              \
-                __builtin_prefetch(W + next[r] * D + k, 0, LOCALITY);                          \
+   function each), summed in registers: GROUP row streams in flight. (Prefetching the next
+   group's rows in one burst before the sums, as an earlier version did, ran the down rows of
+   SmolLM2 at ~18 GB/s on a 2-core AMD EPYC instead of ~34: the burst crowds out the loads.) */
+#define DOWN_GROUP(NAME, T, LOAD16)                                                            \
+    static void NAME(const T* W, const int64_t* rows, int64_t g, const float* h, float* part, \
+                     int64_t D) {                                                              \
         int64_t c = 0;                                                                         \
         for (; c + 16 <= D; c += 16) {                                                         \
-            v16 s = {0};                                                                       \
-            for (int64_t r = 0; r < g; r++) s += h[r] * LOAD16(W + rows[r] * D + c);           \
-            v16 old = load16(part + c);                                                        \
-            old += s;                                                                          \
-            __builtin_memcpy(part + c, &old, 64);                                              \
+            v16 s = zero16();                                                                  \
+            for (int64_t r = 0; r < g; r++) s = smadd16(h[r], LOAD16(W + rows[r] * D + c), s); \
+            store16(part + c, add16(load16(part + c), s));                                     \
         }                                                                                      \
         for (; c < D; c++) {                                                                   \
             float s = 0.0f;                                                                    \
@@ -377,8 +373,16 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
         }                                                                                      \
     }
 
-DOWN_GROUP(down_group, float, load16, 16, 0)
-DOWN_GROUP(down_group_i8, int8_t, load16_i8, 64, 1)
+DOWN_GROUP(down_group, float, load16)
+DOWN_GROUP(down_group_i8, int8_t, load16_i8)
+
+static void down_rows(Mat W, const int64_t* rows, int64_t g, const float* h, float* part,
+                      int64_t D) {
+    if (W.scale)
+        down_group_i8((const int8_t*)W.data, rows, g, h, part, D);
+    else
+        down_group((const float*)W.data, rows, g, h, part, D);
+}
 
 /* Scratch floats sparse_mlp_step needs for up to MAX_TOKENS tokens: the indices (int64, two
    floats each), the norms, the gate values or logits, the predictor's bottleneck, the values,
@@ -452,21 +456,24 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, int64_t B, float* scr
             }
         }
         if (B == 1) {
-            /* gate (predictor mode) and up of the active neurons, four at a time: four row
-               streams in flight per matrix (a short tail group repeats its last row). */
+            /* gate (predictor mode) and up rows of the active neurons, GATHER rows at a time
+               (8 neurons' gate and up, or 16 neurons' up): GATHER row streams in flight. A
+               short tail group repeats its last neuron. */
+            const int64_t per = predicted ? GATHER / 2 : GATHER;
             #pragma omp for schedule(static)
-            for (int64_t q = 0; q < (count + 3) / 4; q++) {
-                int64_t m = count - 4 * q < 4 ? count - 4 * q : 4, rows[4];
-                float g[4], u[4];
-                for (int r = 0; r < 4; r++) rows[r] = idx[4 * q + (r < m ? r : m - 1)];
-                if (predicted) {
-                    mdot4_at(L->wg, rows, D, n, g);
-                    for (int r = 0; r < 4; r++) g[r] = activate(L->act, g[r]);
-                } else {
-                    for (int r = 0; r < 4; r++) g[r] = a[rows[r]];
+            for (int64_t q = 0; q < (count + per - 1) / per; q++) {
+                const int64_t i0 = q * per, m = count - i0 < per ? count - i0 : per;
+                const Mat* M[GATHER];
+                int64_t rows[GATHER];
+                float y[GATHER];
+                for (int64_t r = 0; r < GATHER; r++) {
+                    rows[r] = idx[i0 + (r % per < m ? r % per : m - 1)];
+                    M[r] = predicted && r < per ? &L->wg : &L->wu;
                 }
-                mdot4_at(L->wu, rows, D, n, u);
-                for (int64_t r = 0; r < m; r++) hv[4 * q + r] = g[r] * u[r];
+                mdot_gather(M, rows, D, n, y);
+                for (int64_t r = 0; r < m; r++)
+                    hv[i0 + r] = (predicted ? activate(L->act, y[r]) : a[rows[r]]) *
+                                 y[predicted ? per + r : r];
             }
         } else {  /* each active row read once for all B tokens */
             #pragma omp for schedule(static)
@@ -488,21 +495,16 @@ int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, int64_t B, float* scr
         /* y[b] = sum_i hv[b, i] W_down_t[idx[i]]: groups of GROUP rows summed in registers, each
            thread into its own partial sums, then the partials added to x. The group's rows are
            read from memory for the first token and from cache for the others. Int8 rows: the
-           codes are summed, and the per-output scale multiplies the total (it factors out). */
+           codes are summed, and the per-output scale multiplies the total (it factors out).
+           (Adding each group's down rows right after its gate and up rows, with no barrier
+           between the stages, measured no faster.) */
         float* part = parts + (int64_t)THREAD_ID() * B * D;
         for (int64_t c = 0; c < B * D; c++) part[c] = 0.0f;
-        #pragma omp for schedule(dynamic, 2)
+        #pragma omp for schedule(static)
         for (int64_t g0 = 0; g0 < count; g0 += GROUP) {
             int64_t g = count - g0 < GROUP ? count - g0 : GROUP;
-            for (int64_t b = 0; b < B; b++) {
-                int64_t left = b == 0 ? count - g0 - g : 0;  /* prefetch once per group */
-                if (L->wd_t.scale)
-                    down_group_i8((const int8_t*)L->wd_t.data, idx + g0, g, idx + g0 + g, left,
-                                  hv + b * F + g0, part + b * D, D);
-                else
-                    down_group((const float*)L->wd_t.data, idx + g0, g, idx + g0 + g, left,
-                               hv + b * F + g0, part + b * D, D);
-            }
+            for (int64_t b = 0; b < B; b++)
+                down_rows(L->wd_t, idx + g0, g, hv + b * F + g0, part + b * D, D);
         }
         int nt = THREADS();
         const float* sd = L->wd_t.scale;

@@ -1,32 +1,87 @@
-/* Vector helpers shared by the package's C files (decode_step.c, sparse_int8.c). The source
-   loader (cpu_build.load_source_library) pastes this file in place of a C file's include
-   line for it, so each library is still compiled from one self-contained text. */
+/* Vector helpers shared by the package's C files (decode_step.c, sparse_int8.c, the loops of
+   cpu_loops.py). The source loaders paste this file in place of a C file's include line for
+   it, so each library is still compiled from one self-contained text.
+
+   v16 is 16 floats, the unit every loop steps by. With AVX-512 (and on targets without AVX2)
+   it is one GCC vector of 64 bytes. With AVX2 only, GCC keeps such a vector in memory when it
+   is carried around a loop (every multiply-add stores and reloads it: a decode step twice as
+   slow), so there v16 is two 8-float registers. Code does its arithmetic on v16 through the
+   functions below (zero16, splat16, add16, mul16, madd16, smadd16, hsum16), never with operators, so that one
+   text serves both. */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-/* 16 floats in one vector register (AVX-512), or split over smaller ones elsewhere. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define V16_HALVES 1
+typedef struct {
+    __m256 lo, hi;
+} v16;
+static inline v16 load16(const float* p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void store16(float* p, v16 v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+static inline v16 zero16(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline v16 splat16(float s) { return (v16){_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+static inline v16 add16(v16 a, v16 b) { return (v16){a.lo + b.lo, a.hi + b.hi}; }
+static inline v16 mul16(v16 a, v16 b) { return (v16){a.lo * b.lo, a.hi * b.hi}; }
+/* a * b + c */
+static inline v16 madd16(v16 a, v16 b, v16 c) { return (v16){a.lo * b.lo + c.lo, a.hi * b.hi + c.hi}; }
+/* s * a + c for a scalar s */
+static inline v16 smadd16(float s, v16 a, v16 c) {
+    __m256 v = _mm256_set1_ps(s);
+    return (v16){v * a.lo + c.lo, v * a.hi + c.hi};
+}
+static inline v8 halves_sum(v16 v) { return (v8)(v.lo + v.hi); }
+#else
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
 static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, 64); return v; }
+static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, 64); }
+static inline v16 zero16(void) { return (v16){0}; }
+static inline v16 splat16(float s) { return (v16){0} + s; }
+static inline v16 add16(v16 a, v16 b) { return a + b; }
+static inline v16 mul16(v16 a, v16 b) { return a * b; }
+static inline v16 madd16(v16 a, v16 b, v16 c) { return a * b + c; }
+static inline v16 smadd16(float s, v16 a, v16 c) { return s * a + c; }
+static inline v8 halves_sum(v16 v) {
+    v8 lo, hi;
+    __builtin_memcpy(&lo, &v, 32);
+    __builtin_memcpy(&hi, (const char*)&v + 32, 32);
+    return lo + hi;
+}
+#endif
+
+/* The sum of the 16 lanes as a tree (halves added to halves): four vector adds instead of
+   fifteen scalar ones, which matters when every row ends in one (B tokens: B per row). */
+static inline float hsum16(v16 v) {
+    v8 s8 = halves_sum(v);
+    v4 a, b;
+    __builtin_memcpy(&a, &s8, 16);
+    __builtin_memcpy(&b, (const char*)&s8 + 16, 16);
+    v4 s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
 
 /* 16 int8 codes as 16 floats. A generic conversion compiles to 16 scalar ones, so x86 gets the
    sign-extend + convert instructions by name (two of each with AVX2 only). */
 static inline v16 load16_i8(const int8_t* p) {
-    v16 r;
 #if defined(__AVX512F__)
+    v16 r;
     __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
     __builtin_memcpy(&r, &f, 64);
-#elif defined(__AVX2__)
-    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
-    __builtin_memcpy(&r, &lo, 32);
-    __builtin_memcpy((char*)&r + 32, &hi, 32);
-#else
-    for (int q = 0; q < 16; q++) r[q] = (float)p[q];
-#endif
     return r;
+#elif defined(__AVX2__)
+    return (v16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+#else
+    v16 r;
+    for (int q = 0; q < 16; q++) r[q] = (float)p[q];
+    return r;
+#endif
 }
 
 /* 16 bytes of 4-bit codes as 32 floats: lo[q] = low half of byte q, hi[q] = its high half
@@ -40,13 +95,12 @@ static inline void load32_u4(const uint8_t* p, v16* lo, v16* hi) {
     __builtin_memcpy(hi, &h, 64);
 #elif defined(__AVX2__)
     const __m256i mask = _mm256_set1_epi32(15);
-    for (int half = 0; half < 2; half++) {
-        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * half)));
-        __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
-        __m256 h = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-        __builtin_memcpy((char*)lo + 32 * half, &l, 32);
-        __builtin_memcpy((char*)hi + 32 * half, &h, 32);
-    }
+    __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+    *lo = (v16){_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)),
+                _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask))};
+    *hi = (v16){_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+                _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
 #else
     for (int q = 0; q < 16; q++) {
         (*lo)[q] = (float)(p[q] & 15);

@@ -43,34 +43,27 @@
 #define ACT_GELU 2
 
 #include "simd.h"
-static inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, 64); }
-
-static inline float hsum(v16 v) {
-    v8 lo, hi;
-    __builtin_memcpy(&lo, &v, 32);
-    __builtin_memcpy(&hi, (const char*)&v + 32, 32);
-    v8 s = lo + hi;
-    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-}
 
 /* sum_k q[k] x[k] over int8 codes with eight independent vector accumulators, two cache lines
    (128 codes) per iteration: with one line per iteration a single thread streams int8 rows at
    half the speed (fewer loads in flight). While it reads the row it asks for the same bytes of
    the next row (next may be 0). */
 static float dot_i8(const int8_t* q, const float* x, int64_t K, const int8_t* next) {
-    v16 a[8] = {{0}};
+    v16 a[8];
+    for (int j = 0; j < 8; j++) a[j] = zero16();
     int64_t k = 0;
     for (; k + 128 <= K; k += 128) {
         if (next) {
             __builtin_prefetch(next + k, 0, 1);
             __builtin_prefetch(next + k + 64, 0, 1);
         }
-        for (int j = 0; j < 8; j++) a[j] += load16_i8(q + k + 16 * j) * load16(x + k + 16 * j);
+        for (int j = 0; j < 8; j++) a[j] = madd16(load16_i8(q + k + 16 * j), load16(x + k + 16 * j), a[j]);
     }
     if (next)
         for (int64_t p = k; p < K; p += 64) __builtin_prefetch(next + p, 0, 1);
-    for (; k + 16 <= K; k += 16) a[0] += load16_i8(q + k) * load16(x + k);
-    float acc = hsum(((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
+    for (; k + 16 <= K; k += 16) a[0] = madd16(load16_i8(q + k), load16(x + k), a[0]);
+    float acc = hsum16(add16(add16(add16(a[0], a[1]), add16(a[2], a[3])),
+                             add16(add16(a[4], a[5]), add16(a[6], a[7]))));
     for (; k < K; k++) acc += (float)q[k] * x[k];
     return acc;
 }
@@ -82,18 +75,18 @@ static void axpy_group_i8(float* y, const float* a, const int8_t* const* rows, i
     int64_t c = 0;
     for (; c + 64 <= N; c += 64) {
         for (int r = 0; r < ng; r++) __builtin_prefetch(next[r] + c, 0, 1);
-        v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        v16 s0 = zero16(), s1 = zero16(), s2 = zero16(), s3 = zero16();
         for (int r = 0; r < g; r++) {
             const int8_t* row = rows[r] + c;
-            s0 += a[r] * load16_i8(row);
-            s1 += a[r] * load16_i8(row + 16);
-            s2 += a[r] * load16_i8(row + 32);
-            s3 += a[r] * load16_i8(row + 48);
+            s0 = smadd16(a[r], load16_i8(row), s0);
+            s1 = smadd16(a[r], load16_i8(row + 16), s1);
+            s2 = smadd16(a[r], load16_i8(row + 32), s2);
+            s3 = smadd16(a[r], load16_i8(row + 48), s3);
         }
-        store16(y + c, load16(y + c) + s0);
-        store16(y + c + 16, load16(y + c + 16) + s1);
-        store16(y + c + 32, load16(y + c + 32) + s2);
-        store16(y + c + 48, load16(y + c + 48) + s3);
+        store16(y + c, add16(load16(y + c), s0));
+        store16(y + c + 16, add16(load16(y + c + 16), s1));
+        store16(y + c + 32, add16(load16(y + c + 32), s2));
+        store16(y + c + 48, add16(load16(y + c + 48), s3));
     }
     for (int r = 0; r < ng; r++)
         if (c < N) __builtin_prefetch(next[r] + c, 0, 1);
