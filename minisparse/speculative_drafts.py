@@ -63,6 +63,10 @@ class Draft:
         """Prepare for a new sequence of at most ``max_seq_len`` tokens."""
         self.calls = 0
 
+    def prefill(self, ids: list[int]) -> None:
+        """Take in the prompt ``ids`` before the first proposal (a model draft fills its cache
+        with all but the last token, as the target does); nothing for a draft without state."""
+
     def propose(
         self,
         ids: list[int],
@@ -111,6 +115,21 @@ class ModelDraft(Draft):
         self.decoder = Decoder(m, self.cache) if Decoder.supports(m) else None
         self.cached = []
 
+    def _check_reset(self) -> None:
+        if self.cache is None:
+            raise RuntimeError(
+                "Call reset(max_seq_len) before prefill or propose (speculative_generate does)."
+            )
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> None:
+        self._check_reset()
+        if len(ids) > 1:
+            device = self.model.device
+            prefix = torch.tensor([ids[:-1]], device=device)
+            self.model(prefix, torch.arange(len(ids) - 1, device=device), self.cache)
+            self.cached = ids[:-1]
+
     @torch.inference_mode()
     def propose(
         self,
@@ -119,10 +138,7 @@ class ModelDraft(Draft):
         sampling: Sampling,
         generator: torch.Generator | None,
     ) -> tuple[list[int], Tensor | None]:
-        if self.cache is None:
-            raise RuntimeError(
-                "Call reset(max_seq_len) before propose (speculative_generate does)."
-            )
+        self._check_reset()
         device = self.model.device
         start = min(common_prefix(self.cached, ids), len(ids) - 1)
         tokens = torch.tensor([ids[start:]], device=device)

@@ -170,6 +170,26 @@ def test_model_draft_reuses_its_cache_after_rejections():
         assert got == generate(draft_model, None, ids, max_new_tokens=3)
 
 
+def test_a_model_draft_reads_the_prompt_in_prefill_not_in_its_first_proposal(target, monkeypatch):
+    """speculative_generate gives a model draft the prompt before decoding (its prefill, timed
+    apart by the benchmark); the draft then holds all but the last token, and its proposals
+    equal those of a draft that read the prompt inside its first proposal."""
+    draft_model = tiny_model(seed=4)
+    prompt = random_prompts(1, seed=12, length=(9, 10))[0]
+    filled, fresh = S.ModelDraft(draft_model), S.ModelDraft(draft_model)
+    for d in (filled, fresh):
+        d.reset(32)
+    filled.prefill(prompt)
+    assert filled.cached == prompt[:-1] and filled.calls == 0
+    assert filled.propose(prompt, 3, S.Sampling(), None) == fresh.propose(
+        prompt, 3, S.Sampling(), None
+    )
+    seen: list[list[int]] = []
+    monkeypatch.setattr(S.ModelDraft, "prefill", lambda self, ids: seen.append(list(ids)))
+    S.speculative_generate(target, None, prompt, S.ModelDraft(draft_model), 2, 4)
+    assert seen == [prompt]
+
+
 # ---- sampling: the target's distribution, exactly ----------------------------------------------
 
 
@@ -464,10 +484,35 @@ def test_bench_rows_on_tiny_models(target):
     assert [r.draft for r in rows] == ["int8", "lookup"]
     for r in rows:
         assert r.same_tokens and r.new_tokens == 36
-        assert r.speedup == pytest.approx(r.plain_s / r.speculative_s)
+        assert r.speedup == pytest.approx(r.plain_s / r.speculative_s)  # one round
+        assert r.prefill_s > 0 and r.plain_prefill_s > 0
         c = costs.get(r.draft, 0.0)
         assert r.predicted == pytest.approx(S.expected_speedup(r.alpha, 3, c, costs["verify 3"]))
     assert "same tokens" in B.format_rows(rows)
+
+
+def test_bench_decodes_each_answer_to_where_plain_decoding_ends_it():
+    """An answer that ends early (end of turn) is timed to its end, not past it: every variant
+    decodes each prompt to the plain answer's length, and the tokens are the plain answers."""
+    from minisparse.bench import speculative as B
+
+    probe = tiny_model(seed=3, std=0.3)  # varied greedy text (small weights repeat a token)
+    short = [5, 6, 7, 5, 6]
+    free = generate(probe, None, short, max_new_tokens=12)
+    end = next(j for j in range(3, 12) if free[j] not in free[:j])  # first seen at j >= 3
+    model = tiny_model(seed=3, std=0.3, eos_token_ids=[free[end]])
+    prompts = [short, *random_prompts(2, seed=10)]
+    answers = [generate(model, None, p, max_new_tokens=12) for p in prompts]
+    assert len(answers[0]) == end + 1 and sum(map(len, answers)) < 36  # one ends early
+    drafts = {"lookup": S.prompt_lookup_draft(2)}
+    costs = {"verify 3": 1.0}
+    rows = B.bench_speculative(
+        model, None, prompts, drafts, 3, 12, repeats=1, warmup=0, costs=costs, progress=False
+    )
+    assert rows[0].same_tokens and rows[0].new_tokens == sum(map(len, answers))
+    first = tiny_model(seed=3, std=0.3, eos_token_ids=[answers[0][0]])  # short: a 1-token answer
+    with pytest.raises(ValueError, match="single token"):
+        B.bench_speculative(first, None, [short], drafts, 3, 12, costs=costs, progress=False)
 
 
 def test_bench_rejects_unknown_names(target):

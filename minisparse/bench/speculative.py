@@ -3,23 +3,22 @@
 ``minisparse bench speculative`` (or ``python -m minisparse.bench.speculative``) decodes a
 fixed set of chat prompts with the target alone and with every draft, interleaved within each
 repeat (warm-up first, median of repeats; ``minisparse.timing``'s rules), checks that
-the tokens are identical, and prints per draft: the speedup, the acceptance α, tokens per
+the tokens are identical, and prints per draft: the speedup of the decode steps alone (the
+prompts' prefill, with a model draft's own, is printed apart), the acceptance α, tokens per
 target pass, and the speedup the theory predicts from the measured α and costs.
 
 The costs come from ``step_costs``: one draft step (c) and one target pass over γ + 1 tokens
 (v) in units of one single-token target step, timed side by side on a filled cache. On a GPU
-v ≈ 1; on a CPU a multi-token pass runs through a different (BLAS) code path than the
-single-token streaming GEMV and costs clearly more, which is the main reason CPU speedups fall
-short of the GPU literature.
+v ≈ 1; on a CPU the compiled pass reads each weight once for all γ + 1 tokens, but it does
+γ + 1 times the arithmetic of a step on two cores, and it costs clearly more than one step:
+the main reason CPU speedups fall short of the GPU literature.
 
 Prompts: "grounded" ones ask for output that copies the input (editing, code, conversion),
-where prompt lookup shines; "open" ones ask for new text.
-"""
+where prompt lookup shines; "open" ones ask for new text."""
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
@@ -45,7 +44,7 @@ from ..speculative import (
     sparse_draft,
     speculative_generate,
 )
-from ..timing import interleaved_medians, interleaved_times
+from ..timing import interleaved_decode_steps, interleaved_medians
 
 __all__ = [
     "DRAFTS",
@@ -192,7 +191,13 @@ def step_costs(
 
 @dataclass
 class SpecRow:
-    """One draft on the prompt set: measured and predicted speedup over plain decoding."""
+    """One draft on the prompt set: measured and predicted speedup over plain decoding.
+
+    ``plain_s`` and ``speculative_s`` are seconds per decoded token (decode steps alone, mean
+    over the prompts); ``plain_prefill_s`` and ``prefill_s`` the seconds of a prompt's prefill
+    and first token (with a model draft, its own prefill too); ``speedup`` is the median over
+    rounds of plain's time over the draft's in the same round.
+    """
 
     draft: str
     gamma: int
@@ -206,6 +211,8 @@ class SpecRow:
     verify_cost: float
     predicted: float
     same_tokens: bool
+    plain_prefill_s: float = 0.0
+    prefill_s: float = 0.0
 
 
 def bench_speculative(
@@ -220,12 +227,15 @@ def bench_speculative(
     costs: dict[str, float] | None = None,
     progress: bool = True,
 ) -> list[SpecRow]:
-    """Plain vs speculative greedy decoding, interleaved per prompt within every repeat.
+    """Plain vs speculative greedy decoding over ``prompts``: decode steps alone, side by side.
 
-    A repeat takes every prompt in turn and decodes it with the target alone, then with each
-    draft (one round of ``interleaved_times`` per prompt); a variant's time is the median over
-    repeats of its summed time over the prompts; tokens and statistics are the last repeat's.
-    ``costs`` (``step_costs``) supply c and v for the prediction; measured when not given.
+    Each prompt's answer is first decoded plainly (up to ``max_new_tokens``, stopping at the
+    end of the turn), and its length is then the length every variant decodes it to, exactly.
+    Plain decoding and every draft decode all the prompts that way, and in every round also to
+    one token (``timing.interleaved_decode_steps``): the difference is the decode steps alone,
+    without the prompts' prefill (the target's, and a model draft's own), which is reported
+    apart. Tokens and statistics are the last full-length run's. ``costs`` (``step_costs``)
+    supply c and v for the prediction; measured when not given.
     """
     check_bench_counts(gamma, max_new_tokens, repeats, warmup)
     if not prompts:
@@ -233,59 +243,70 @@ def bench_speculative(
     if costs is None:
         costs = step_costs(target, drafts, (gamma,))
     ids = [encode_prompt(tokenizer, p) for p in prompts]
-    n = len(ids)
-    outputs: dict[str, list[Any]] = {name: [None] * n for name in ["plain", *drafts]}
-    stats: dict[str, list[Any]] = {name: [None] * n for name in drafts}
+    lengths = [len(generate(target, tokenizer, i, max_new_tokens=max_new_tokens)) for i in ids]
+    decoded = sum(lengths) - len(ids)  # tokens after each prompt's first one
+    if decoded < 1:
+        raise ValueError(
+            "Every prompt's answer is a single token, so there are no decode steps to time; "
+            "use other prompts."
+        )
+    stats: dict[str, list[Any]] = {name: [] for name in drafts}
 
-    def decode_next_prompt(name: str) -> Callable[[], None]:
-        """Each call decodes the next prompt, in turn, plainly or with the draft ``name``."""
-        order = itertools.cycle(range(n))
+    def decode_all(name: str) -> Callable[[int], list[int]]:
+        """Decodes every prompt to its answer's length (n > 1) or to one token (n = 1),
+        plainly or with the draft ``name``."""
 
-        def call() -> None:
-            i = next(order)
-            if name == "plain":
-                outputs[name][i] = generate(
-                    target, tokenizer, ids[i], max_new_tokens=max_new_tokens
-                )
-            else:
-                outputs[name][i], stats[name][i] = speculative_generate(
-                    target, tokenizer, ids[i], drafts[name], gamma, max_new_tokens
-                )
+        def call(n: int) -> list[int]:
+            tokens, runs = [], []
+            for prompt, length in zip(ids, lengths, strict=True):
+                k = 1 if n == 1 else length
+                if name == "plain":
+                    tokens += generate(
+                        target, tokenizer, prompt, max_new_tokens=k, stop_at_eos=False
+                    )
+                else:
+                    new, st = speculative_generate(
+                        target, tokenizer, prompt, drafts[name], gamma, k, stop_at_eos=False
+                    )
+                    tokens, runs = tokens + new, [*runs, st]
+            if name != "plain":
+                stats[name] = runs
+            return tokens
 
         return call
 
-    # A round decodes one prompt with every variant; a repeat is n rounds, every prompt once.
-    fns = {name: decode_next_prompt(name) for name in outputs}
-    per_call = interleaved_times(
-        fns, repeats * n, warmup * n, target.device, progress, desc="speculative bench"
-    )
-    times = {
-        name: [sum(ts[r * n : (r + 1) * n]) for r in range(repeats)]
-        for name, ts in per_call.items()
-    }
-    plain = statistics.median(times["plain"])
+    runs = {name: decode_all(name) for name in ["plain", *drafts]}
+    speeds, prefill = interleaved_decode_steps(runs, max_new_tokens, repeats, warmup, progress)
+    n = len(ids)
+    plain = speeds["plain"]
+    # the rounds divide by max_new_tokens - 1; the runs decoded ``decoded`` tokens in all
+    scale = (max_new_tokens - 1) / decoded
+
+    def per_token(speed: Any) -> float:
+        return statistics.median(speed.rounds) * scale
+
     rows = []
     for name in drafts:
-        runs = stats[name]
-        accepted, judged = sum(s.accepted for s in runs), sum(s.judged for s in runs)
-        new_tokens = sum(s.new_tokens for s in runs)
+        kept, speed = stats[name], speeds[name]
+        accepted, judged = sum(s.accepted for s in kept), sum(s.judged for s in kept)
         alpha = accepted / judged if judged else 0.0
         c, v = costs.get(name, 0.0), costs[f"verify {gamma}"]
-        seconds = statistics.median(times[name])
         rows.append(
             SpecRow(
                 draft=name,
                 gamma=gamma,
-                new_tokens=new_tokens,
-                plain_s=plain,
-                speculative_s=seconds,
-                speedup=plain / seconds,
+                new_tokens=sum(s.new_tokens for s in kept),
+                plain_s=per_token(plain),
+                speculative_s=per_token(speed),
+                speedup=speed.paired_speedup(plain),
                 alpha=alpha,
-                tokens_per_call=new_tokens / sum(s.target_calls for s in runs),
+                tokens_per_call=sum(s.new_tokens for s in kept) / sum(s.target_calls for s in kept),
                 cost_ratio=c,
                 verify_cost=v,
                 predicted=expected_speedup(alpha, gamma, c, v),
-                same_tokens=outputs[name] == outputs["plain"],
+                same_tokens=speed.tokens == plain.tokens,
+                plain_prefill_s=prefill["plain"] / n,
+                prefill_s=prefill[name] / n,
             )
         )
     return rows
@@ -294,7 +315,10 @@ def bench_speculative(
 def check_bench_counts(gamma: int, max_new_tokens: int, repeats: int, warmup: int) -> None:
     """The benchmark's counts: gamma, new tokens and repeats >= 1, warm-up rounds >= 0."""
     check_count(gamma, "gamma", fix="draft tokens per target pass, e.g. 4")
-    check_count(max_new_tokens, "max_new_tokens")
+    check_count(
+        max_new_tokens, "max_new_tokens", minimum=2,
+        fix="the decode steps are timed as the difference of an n-token and a 1-token run",
+    )  # fmt: skip
     check_count(repeats, "repeats", fix="the benchmark reports the median of the repeats")
     check_count(warmup, "warmup", minimum=0)
 
@@ -310,13 +334,14 @@ def check_arguments(args: argparse.Namespace) -> None:
 def format_rows(rows: list[SpecRow]) -> str:
     head = (
         f"{'draft':<15}{'gamma':>6}{'alpha':>7}{'tok/pass':>9}{'c':>6}{'v':>6}"
-        f"{'speedup':>9}{'predicted':>10}  same tokens"
+        f"{'speedup':>9}{'predicted':>10}{'prefill':>9}  same tokens"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.draft:<15}{r.gamma:>6}{r.alpha:>7.2f}{r.tokens_per_call:>9.2f}{r.cost_ratio:>6.2f}"
-            f"{r.verify_cost:>6.2f}{r.speedup:>8.2f}x{r.predicted:>9.2f}x  {r.same_tokens}"
+            f"{r.verify_cost:>6.2f}{r.speedup:>8.2f}x{r.predicted:>9.2f}x"
+            f"{1e3 * r.prefill_s:>7.0f}ms  {r.same_tokens}"
         )
     return "\n".join(lines)
 
@@ -327,7 +352,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafts", nargs="+", default=list(DRAFTS), choices=DRAFTS)
     parser.add_argument("--prompts", default="all", choices=[*PROMPTS, "all"])
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=48, help="longest answer decoded (default 48)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--sparsity", type=float, default=0.5, help="sparse draft's sparsity")
@@ -363,7 +390,10 @@ def run(args: argparse.Namespace) -> int:
             args.warmup,
             costs,
         )
-        print(f"\n{kind} prompts ({len(PROMPTS[kind])}), {args.max_new_tokens} new tokens each:")
+        print(
+            f"\n{kind} prompts ({len(PROMPTS[kind])}), each decoded to the end of its plain "
+            f"answer (at most {args.max_new_tokens} tokens):"
+        )
         print(format_rows(rows))
         results[kind] = [asdict(r) for r in rows]
     if args.json is not None:
