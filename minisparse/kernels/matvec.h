@@ -118,46 +118,51 @@ DOT(dot_i8, int8_t, load16_i8)
    x read once. A gathered row is a short burst (2.3 KB for SmolLM2's 576 floats) that starts
    with a cache miss; with sixteen in flight at once, the misses overlap and a 2-core AMD EPYC
    reads scattered rows at ~35 GB/s, against ~25 GB/s with four (the dense stream's rate is
-   ~45). LOAD16 reads 16 weights as floats (float32 rows or int8 codes, one function each). */
+   ~45). LOADV reads VT_WIDTH weights as floats (float32 rows or int8 codes, one function
+   each); the accumulators are vt (simd.h), so that sixteen fit in registers with AVX2 too. */
 #define GATHER 16
-#define DOT_GATHER(NAME, T, LOAD16)                                                          \
+#define DOT_GATHER(NAME, T, LOADV)                                                           \
     static inline void NAME(const T* const r[GATHER], int64_t K, const float* x, float* y) { \
-        v16 acc[GATHER];                                                                     \
-        for (int q = 0; q < GATHER; q++) acc[q] = zero16();                                  \
+        vt acc[GATHER];                                                                      \
+        for (int q = 0; q < GATHER; q++) acc[q] = vt_zero();                                 \
         int64_t k = 0;                                                                       \
-        for (; k + 16 <= K; k += 16) {                                                       \
-            v16 xv = load16(x + k);                                                          \
-            for (int q = 0; q < GATHER; q++) acc[q] = madd16(LOAD16(r[q] + k), xv, acc[q]);  \
+        for (; k + VT_WIDTH <= K; k += VT_WIDTH) {                                           \
+            vt xv = vt_load(x + k);                                                          \
+            for (int q = 0; q < GATHER; q++) acc[q] = vt_madd(LOADV(r[q] + k), xv, acc[q]);  \
         }                                                                                    \
         for (int q = 0; q < GATHER; q++) {                                                   \
-            float s = hsum16(acc[q]);                                                        \
+            float s = vt_hsum(acc[q]);                                                       \
             for (int64_t kk = k; kk < K; kk++) s += (float)r[q][kk] * x[kk];                 \
             y[q] = s;                                                                        \
         }                                                                                    \
     }
 
-DOT_GATHER(dot_gather, float, load16)
-DOT_GATHER(dot_gather_i8, int8_t, load16_i8)
+DOT_GATHER(dot_gather, float, vt_load)
+DOT_GATHER(dot_gather_i8, int8_t, vt_load_i8)
 
 /* out[b] = row . X[b] for B <= MAX_TOKENS token vectors X [B, K]: the row is read once and
-   multiplied with every token's vector while it is in registers. LOAD16 reads 16 weights as
-   floats (float32 or int8 rows: one loop each, so neither pays for the other's branch). The
+   multiplied with every token's vector while it is in registers. LOADV reads VT_WIDTH weights
+   as floats (float32 or int8 rows: one loop each, so neither pays for the other's branch). The
    body is compiled once per B (the switch passes a constant), so the token loops unroll and
    the B accumulators stay in registers; with B a variable they live in memory and every
    multiply-add also loads and stores one. A pass over 5 tokens is partly arithmetic-bound on
-   a 2-core AMD EPYC, and this took it from 44.0 to 38.8 ms (same process, alternating). */
-#define DOT_TOKENS(NAME, T, LOAD16)                                                          \
+   a 2-core AMD EPYC, and this took it from 44.0 to 38.8 ms (same process, alternating). The
+   accumulators are vt (simd.h): with AVX2 only, 16-float ones for 5 tokens and two rows need 20
+   of its 16 registers, and 8-float ones took a 5-token pass of SmolLM2 from 27.8 to 24.3 ms
+   and an 8-token one from 37.5 to 32.6 (AMD EPYC, AVX2, alternating). Two rows of one matrix
+   at a time (each token's input loaded once per pair) measured slower. */
+#define DOT_TOKENS(NAME, T, LOADV)                                                           \
     static inline __attribute__((always_inline)) void NAME##_b(                              \
         const T* row, const float* X, const int64_t B, int64_t K, float* out) {              \
-        v16 acc[MAX_TOKENS];                                                                 \
-        for (int64_t b = 0; b < B; b++) acc[b] = zero16();                                   \
+        vt acc[MAX_TOKENS];                                                                  \
+        for (int64_t b = 0; b < B; b++) acc[b] = vt_zero();                                  \
         int64_t k = 0;                                                                       \
-        for (; k + 16 <= K; k += 16) {                                                       \
-            v16 w = LOAD16(row + k);                                                         \
-            for (int64_t b = 0; b < B; b++) acc[b] = madd16(w, load16(X + b * K + k), acc[b]); \
+        for (; k + VT_WIDTH <= K; k += VT_WIDTH) {                                           \
+            vt w = LOADV(row + k);                                                           \
+            for (int64_t b = 0; b < B; b++) acc[b] = vt_madd(w, vt_load(X + b * K + k), acc[b]); \
         }                                                                                    \
         for (int64_t b = 0; b < B; b++) {                                                    \
-            float s = hsum16(acc[b]);                                                        \
+            float s = vt_hsum(acc[b]);                                                       \
             for (int64_t kk = k; kk < K; kk++) s += (float)row[kk] * X[b * K + kk];          \
             out[b] = s;                                                                      \
         }                                                                                    \
@@ -175,30 +180,30 @@ DOT_GATHER(dot_gather_i8, int8_t, load16_i8)
         }                                                                                    \
     }
 
-DOT_TOKENS(dot_tokens_f32, float, load16)
-DOT_TOKENS(dot_tokens_i8, int8_t, load16_i8)
+DOT_TOKENS(dot_tokens_f32, float, vt_load)
+DOT_TOKENS(dot_tokens_i8, int8_t, vt_load_i8)
 
 /* The same for two rows that share the token vectors (gate row j and up row j): each 16
    inputs loaded per token feed two multiply-adds. Another 10 % off a 3- to 8-token pass on
    that machine. (For one token there is nothing to share, and two streams per thread were
    slower than one: gemv_rows.) */
-#define DOT_TOKENS2(NAME, T, LOAD16)                                                         \
+#define DOT_TOKENS2(NAME, T, LOADV)                                                          \
     static inline __attribute__((always_inline)) void NAME##_b(                              \
         const T* r0, const T* r1, const float* X, const int64_t B, int64_t K, float* o0,     \
         float* o1) {                                                                         \
-        v16 a0[MAX_TOKENS], a1[MAX_TOKENS];                                                  \
-        for (int64_t b = 0; b < B; b++) a0[b] = a1[b] = zero16();                            \
+        vt a0[MAX_TOKENS], a1[MAX_TOKENS];                                                   \
+        for (int64_t b = 0; b < B; b++) a0[b] = a1[b] = vt_zero();                           \
         int64_t k = 0;                                                                       \
-        for (; k + 16 <= K; k += 16) {                                                       \
-            v16 w0 = LOAD16(r0 + k), w1 = LOAD16(r1 + k);                                    \
+        for (; k + VT_WIDTH <= K; k += VT_WIDTH) {                                           \
+            vt w0 = LOADV(r0 + k), w1 = LOADV(r1 + k);                                       \
             for (int64_t b = 0; b < B; b++) {                                                \
-                v16 x = load16(X + b * K + k);                                               \
-                a0[b] = madd16(w0, x, a0[b]);                                                \
-                a1[b] = madd16(w1, x, a1[b]);                                                \
+                vt x = vt_load(X + b * K + k);                                               \
+                a0[b] = vt_madd(w0, x, a0[b]);                                               \
+                a1[b] = vt_madd(w1, x, a1[b]);                                               \
             }                                                                                \
         }                                                                                    \
         for (int64_t b = 0; b < B; b++) {                                                    \
-            float s0 = hsum16(a0[b]), s1 = hsum16(a1[b]);                                    \
+            float s0 = vt_hsum(a0[b]), s1 = vt_hsum(a1[b]);                                  \
             for (int64_t kk = k; kk < K; kk++) {                                             \
                 s0 += (float)r0[kk] * X[b * K + kk];                                         \
                 s1 += (float)r1[kk] * X[b * K + kk];                                         \
@@ -221,8 +226,8 @@ DOT_TOKENS(dot_tokens_i8, int8_t, load16_i8)
         }                                                                                    \
     }
 
-DOT_TOKENS2(dot_tokens2_f32, float, load16)
-DOT_TOKENS2(dot_tokens2_i8, int8_t, load16_i8)
+DOT_TOKENS2(dot_tokens2_f32, float, vt_load)
+DOT_TOKENS2(dot_tokens2_i8, int8_t, vt_load_i8)
 
 static inline void mdot_tokens(Mat M, int64_t i, const float* X, int64_t B, int64_t K,
                                float* out) {

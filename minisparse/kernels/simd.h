@@ -7,7 +7,7 @@
    is carried around a loop (every multiply-add stores and reloads it: a decode step twice as
    slow), so there v16 is two 8-float registers. Code does its arithmetic on v16 through the
    functions below (zero16, splat16, add16, mul16, madd16, smadd16, hsum16), never with operators, so that one
-   text serves both. */
+   text serves both; the same holds for vt below. */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -53,6 +53,36 @@ static inline v8 halves_sum(v16 v) {
     __builtin_memcpy(&hi, (const char*)&v + 32, 32);
     return lo + hi;
 }
+#endif
+
+/* vt: the vector of the loops that carry one accumulator per token or per gathered row (up to
+   sixteen of them, see matvec.h). With AVX-512 it is v16: 32 registers hold sixteen. With AVX2
+   only, sixteen accumulators of two registers each would not fit in its 16 registers and would
+   live in memory, so there vt is 8 floats, one register. */
+#ifdef V16_HALVES
+#define VT_WIDTH 8
+typedef __m256 vt;
+static inline vt vt_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline vt vt_load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline vt vt_zero(void) { return _mm256_setzero_ps(); }
+static inline vt vt_madd(vt a, vt b, vt c) { return a * b + c; }
+static inline float vt_hsum(vt v) {
+    v4 a, b;
+    __builtin_memcpy(&a, &v, 16);
+    __builtin_memcpy(&b, (const char*)&v + 16, 16);
+    v4 s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+#else
+#define VT_WIDTH 16
+typedef v16 vt;
+#define vt_load load16
+#define vt_load_i8 load16_i8
+#define vt_zero zero16
+#define vt_madd madd16
+#define vt_hsum hsum16
 #endif
 
 /* The sum of the 16 lanes as a tree (halves added to halves): four vector adds instead of
