@@ -12,10 +12,11 @@
                       s[c] sum_i v[b, i] q_t[idx[i], c]. The scale belongs to the output column
                       c, so it factors out of the sum over i and is applied once per column.
      sparse_ffn_i8    both, fused: h[b, i] = act(s_g[j] q_g[j] . x[b]) (s_u[j] q_u[j] . x[b])
-                      for j = idx[i], then y[b] = s_d * sum_i h[b, i] q_d_t[j]. One call, one
-                      parallel region.
+                      for j = idx[i], then y[b] = s_d * sum_i h[b, i] q_d_t[j]. One call: one
+                      parallel loop over the gate and up rows, then the scatter.
 
-   The loops are those of the float32 path (cpu_loops.py): the next active row is prefetched
+   The loops are those of the float32 path (cpu_loops.py; the scatter, the index check and the
+   thread rule are the same code, sparse_rows.h): the next active row is prefetched
    while this one is read, the scatter sums groups of eight rows in registers before adding
    them to y, rows are split over OpenMP threads above PARALLEL_MIN weights, and every index is
    checked before a weight is read (BAD_INDEX, NO_MEMORY as return codes). Two differences,
@@ -33,16 +34,12 @@
 #define THREAD_ID() 0
 #endif
 
-#define PARALLEL_MIN (1 << 20)
-#define OK 0
-#define BAD_INDEX 1
-#define NO_MEMORY 2
-#define GROUP 8
 #define ACT_SILU 0
 #define ACT_RELU 1
 #define ACT_GELU 2
 
 #include "simd.h"
+#include "sparse_rows.h"
 
 /* sum_k q[k] x[k] over int8 codes with eight independent vector accumulators, two cache lines
    (128 codes) per iteration: with one line per iteration a single thread streams int8 rows at
@@ -68,50 +65,8 @@ static float dot_i8(const int8_t* q, const float* x, int64_t K, const int8_t* ne
     return acc;
 }
 
-/* y += sum_r a[r] rows[r] over a group of g <= GROUP int8 rows, summed in registers first and
-   added to y once; next[0..ng) is the next group, prefetched meanwhile. */
-static void axpy_group_i8(float* y, const float* a, const int8_t* const* rows, int g,
-                          const int8_t* const* next, int ng, int64_t N) {
-    int64_t c = 0;
-    for (; c + 64 <= N; c += 64) {
-        for (int r = 0; r < ng; r++) __builtin_prefetch(next[r] + c, 0, 1);
-        v16 s0 = zero16(), s1 = zero16(), s2 = zero16(), s3 = zero16();
-        for (int r = 0; r < g; r++) {
-            const int8_t* row = rows[r] + c;
-            s0 = smadd16(a[r], load16_i8(row), s0);
-            s1 = smadd16(a[r], load16_i8(row + 16), s1);
-            s2 = smadd16(a[r], load16_i8(row + 32), s2);
-            s3 = smadd16(a[r], load16_i8(row + 48), s3);
-        }
-        store16(y + c, add16(load16(y + c), s0));
-        store16(y + c + 16, add16(load16(y + c + 16), s1));
-        store16(y + c + 32, add16(load16(y + c + 32), s2));
-        store16(y + c + 48, add16(load16(y + c + 48), s3));
-    }
-    for (int r = 0; r < ng; r++)
-        if (c < N) __builtin_prefetch(next[r] + c, 0, 1);
-    for (; c < N; c++) {
-        float acc = 0.0f;
-        for (int r = 0; r < g; r++) acc += a[r] * (float)rows[r][c];
-        y[c] += acc;
-    }
-}
-
-static int bad_indices(const int64_t* idx, int64_t n, int64_t n_rows) {
-    for (int64_t i = 0; i < n; i++)
-        if (idx[i] < 0 || idx[i] >= n_rows) return 1;
-    return 0;
-}
-
-static int team(int64_t work, int num_threads) {
-#ifdef _OPENMP
-    return work >= PARALLEL_MIN && num_threads > 1 ? num_threads : 1;
-#else
-    (void)work;
-    (void)num_threads;
-    return 1;
-#endif
-}
+AXPY_GROUP(axpy_group_i8, int8_t, load16_i8, 1)
+SCATTER_ROWS(scatter_rows_i8, int8_t, axpy_group_i8)
 
 static inline float activate(int act, float v) {
     if (act == ACT_SILU) return v / (1.0f + expf(-v));
@@ -135,42 +90,13 @@ int gather_gemv_i8(const int8_t* Q, int64_t n_rows, int64_t ldq, const float* sc
     return OK;
 }
 
-/* sum_i v[b, i] Qt[idx[i], :] into y (zeroed by the caller) over groups of GROUP rows, each
-   thread of the team into its own part of `parts` (parts == y for one thread), then y *= scale
-   column by column. Called outside any parallel region. */
+/* sum_i v[b, i] Qt[idx[i], :] into y (zeroed by the caller; sparse_rows.h), then y *= scale
+   column by column. */
 static int scatter_i8(const int8_t* Qt, int64_t ldq, const float* scale, const float* v,
                       int64_t B, int64_t n, const int64_t* idx, int64_t N, float* y,
                       int prefetch, int nt) {
-    size_t size = (size_t)B * (size_t)N;
-    float* parts = y;
-    if (nt > 1) {
-        parts = (float*)calloc((size_t)nt * size, sizeof(float));
-        if (!parts) return NO_MEMORY;
-    }
-    #pragma omp parallel num_threads(nt)
-    {
-        float* part = parts + (size_t)THREAD_ID() * size;
-        #pragma omp for schedule(dynamic, 2) nowait
-        for (int64_t grp = 0; grp < (n + GROUP - 1) / GROUP; grp++) {
-            int64_t i0 = grp * GROUP;
-            int g = n - i0 < GROUP ? (int)(n - i0) : GROUP;
-            int ng = prefetch ? (n - i0 - g < GROUP ? (int)(n - i0 - g) : GROUP) : 0;
-            const int8_t* rows[GROUP];
-            const int8_t* next[GROUP];
-            float a[GROUP];
-            for (int r = 0; r < g; r++) rows[r] = Qt + idx[i0 + r] * ldq;
-            for (int r = 0; r < ng; r++) next[r] = Qt + idx[i0 + g + r] * ldq;
-            for (int64_t b = 0; b < B; b++) {
-                for (int r = 0; r < g; r++) a[r] = v[b * n + i0 + r];
-                axpy_group_i8(part + b * N, a, rows, g, next, b == 0 ? ng : 0, N);
-            }
-        }
-        if (nt > 1) {
-            #pragma omp critical
-            for (size_t c = 0; c < size; c++) y[c] += part[c];
-        }
-    }
-    if (nt > 1) free(parts);
+    int status = scatter_rows_i8(Qt, ldq, v, B, n, idx, N, y, prefetch, nt);
+    if (status != OK) return status;
     for (int64_t b = 0; b < B; b++)
         for (int64_t c = 0; c < N; c++) y[b * N + c] *= scale[c];
     return OK;
