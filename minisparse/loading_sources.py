@@ -139,8 +139,8 @@ def hf_from_gguf(path: Path) -> tuple[torch.nn.Module, Any]:
 
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         check_architecture(config, str(path))
-        hf = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
+        hf = AutoModelForCausalLM.from_pretrained(  # config given: the file is not read again
+            path.parent, gguf_file=path.name, config=config, dtype=torch.float32
         )
     except ImportError as err:
         raise dependency_error(err, f"Reading {path.name} with transformers") from err
