@@ -6,6 +6,7 @@ minisparse tour                          the five-minute tour of the real model
 minisparse bench decode                  minisparse vs transformers decode speed
 minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
 minisparse bench sparse-decode           dense vs sparse decode speed, against the bytes ceiling
+minisparse bench isa                     the decode step built for native, x86-64-v3, -v2
 minisparse relufy --stage 1 --steps 200  ReLUfy and fine-tune by distillation (chapter 04)
 minisparse predictors                    train sparsity predictors and save them (chapter 06)
 minisparse prepare                       make every long artifact above in one go, with progress
@@ -240,6 +241,7 @@ CHAPTER_BENCHMARKS = {
     "speculative": ("speculative", "plain vs speculative decoding per draft (chapter 10)"),
     "engine": ("engine", "the engine's configurations: speed, perplexity, memory (chapter 11)"),
     "sparse-decode": ("sparse_decode", "dense vs sparse decode speed and the bytes ceiling"),
+    "isa": ("isa", "the decode step built for each instruction set (-march) side by side"),
 }
 
 

@@ -86,7 +86,9 @@ class Decoder:
     the model is in its final state (sparsified, quantized, hooked): the plan is made once.
     """
 
-    def __init__(self, model: Transformer, cache: Sequence[object]) -> None:
+    def __init__(
+        self, model: Transformer, cache: Sequence[object], lib: ctypes.CDLL | None = None
+    ) -> None:
         if not Decoder.supports(model):
             raise ValueError(
                 "Decoder runs float32 models on the CPU; use model(tokens, input_pos, cache) "
@@ -94,7 +96,7 @@ class Decoder:
             )
         self.model, self.cache = model, cache
         c = model.config
-        lib = decode_library()
+        lib = lib or decode_library()  # another build of decode_step.c: ``bench isa``
         self.lib = lib
         usable = lib is not None and not global_hooks() and not hooked(model)
         self.halves: list[Half] = []

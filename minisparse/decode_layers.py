@@ -41,6 +41,7 @@ __all__ = [
     "SparseMlpLayer",
     "activation_of",
     "attn_layer",
+    "declare_step_library",
     "decode_library",
     "global_hooks",
     "hooked",
@@ -125,7 +126,7 @@ class SparseMlpLayer(ctypes.Structure):
     ]
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def declare_step_library(lib: ctypes.CDLL) -> None:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.attn_scratch.argtypes, lib.attn_scratch.restype = [i64] * 5 + [c_int], i64
     lib.mlp_scratch.argtypes, lib.mlp_scratch.restype = [i64, i64, c_int], i64
@@ -142,7 +143,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 @functools.lru_cache(maxsize=1)
 def decode_library() -> ctypes.CDLL | None:
     """The compiled decode step, or None without a C compiler (one warning, from ``cpu``)."""
-    return load_source_library("decode_step.c", _declare)
+    return load_source_library("decode_step.c", declare_step_library)
 
 
 def _ptr(t: Tensor | None) -> int | None:

@@ -12,7 +12,10 @@
   checkpoints rotate the two halves (x_i, x_i+d/2), so the rows of W_q and W_k are permuted
   per head, row (h, half, i) -> (h, i, half), which turns one convention into the other; (2)
   1-D tensors (the norms) stay float32, as llama.cpp expects. ``dtype``: ``f32``, ``f16``, or
-  ``q8_0`` (blocks of 32 weights sharing one fp16 scale: 8.5 bits per weight). llama.cpp's
+  ``q8_0`` (blocks of 32 weights sharing one fp16 scale: 8.5 bits per weight), or ``q4_1``
+  (blocks of 32 4-bit codes with an fp16 scale and minimum: 5 bits per weight; every matrix,
+  the tied embedding included, which is chapter 09's int4 format byte for byte in size and
+  so the like-for-like file to time it against). llama.cpp's
   Llama graph has SiLU MLPs only, so a ReLU model is refused here (export it to HF instead).
 * **Predictors and a placement** (``save_sidecars``): saved beside the model as safetensors,
   as PowerInfer ships its predictors with its model. Layout: ``predictors.safetensors`` is
@@ -53,7 +56,7 @@ __all__ = [
     "save_sidecars",
 ]
 
-GGUF_DTYPES = ("f32", "f16", "q8_0")
+GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_1")
 #: minisparse parameter name (after ``layers.{i}.``) -> llama.cpp tensor name (after ``blk.{i}.``)
 GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm.weight",
@@ -139,10 +142,12 @@ def check_gguf_exportable(model: Transformer, dtype: str) -> None:
         raise ValueError("GGUF export supports bias-free Llama models only.")
     if c.rope_scaling:
         raise ValueError("GGUF export does not write RoPE scaling; export with --format hf.")
-    if dtype == "q8_0":
+    if dtype in ("q8_0", "q4_1"):
         odd = sorted({d for d in (c.dim, c.ffn_dim, c.n_heads * c.head_dim) if d % 32})
         if odd:
-            raise ValueError(f"q8_0 needs rows in multiples of 32 weights; this model has {odd}.")
+            raise ValueError(
+                f"{dtype} needs rows in multiples of 32 weights; this model has {odd}."
+            )
 
 
 def export_gguf(
@@ -177,8 +182,13 @@ def export_gguf(
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.norm_eps)
     writer.add_vocab_size(c.vocab_size)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}
-    writer.add_file_type(file_type.get(dtype, gguf.LlamaFileType.MOSTLY_Q8_0))
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    }
+    writer.add_file_type(file_type[dtype])
     if tokenizer_gguf is not None:
         copy_tokenizer(gguf.GGUFReader(str(tokenizer_gguf)), writer)
     for tensor_name, value in gguf_tensors(model).items():
@@ -198,8 +208,8 @@ def add_tensor(writer: Any, name: str, array: np.ndarray, dtype: str) -> None:
     elif dtype == "f16":
         writer.add_tensor(name, array.astype(np.float16))
     else:
-        q8 = gguf.GGMLQuantizationType.Q8_0
-        writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
+        kind = getattr(gguf.GGMLQuantizationType, dtype.upper())
+        writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
 
 
 def copy_tokenizer(reader: Any, writer: Any) -> None:

@@ -52,6 +52,7 @@ class Machine:
     torch: str
     gpu: str | None
     read_gbs: float | None  # measured read bandwidth of the main memory (None: not measured)
+    kernels: str = ""  # the compiled kernels' compiler and -march target, or why torch runs
 
     def line(self) -> str:
         """One line for a notebook or a report."""
@@ -60,6 +61,7 @@ class Machine:
         return (
             f"machine: {self.cpu} ({self.vector_isa}), {self.cores} cores, {self.threads} torch "
             f"threads, torch {self.torch}{gpu}{bandwidth}"
+            + (f"; {self.kernels}" if self.kernels else "")
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -68,6 +70,7 @@ class Machine:
 
 def machine(measure_bandwidth: bool = True) -> Machine:
     """This machine; ``measure_bandwidth`` times a 256 MiB read (about a second)."""
+    from .kernels.cpu_build import describe_build
     from .timing import read_bandwidth
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
@@ -81,4 +84,5 @@ def machine(measure_bandwidth: bool = True) -> Machine:
         torch=torch.__version__,
         gpu=gpu,
         read_gbs=round(read_bandwidth(), 1) if measure_bandwidth else None,
+        kernels=describe_build(),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -186,47 +187,89 @@ def test_debug_shows_the_traceback_of_user_errors(argv):
         main(argv)
 
 
-def test_llama_cpp_row_uses_the_optional_package_when_present(monkeypatch):
-    """A stand-in for llama_cpp: the benchmark times its calls and counts its tokens."""
-    import sys
-    import types
+FAKE_LLAMA_CPP = """
+import os, signal
 
+
+class Llama:
+    def __init__(self, model_path, n_threads, n_ctx, verbose):
+        self.crash = model_path.endswith("crash.gguf")
+
+    def reset(self):
+        pass
+
+    def token_eos(self):
+        return 0
+
+    def tokenize(self, text):
+        return list(text)
+
+    def generate(self, tokens, top_k, temp):
+        assert top_k == 1
+        if self.crash:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        yield from [7, 8, 9, 10, 11, 12, 13, 14, 15, 0]
+
+    def detokenize(self, tokens):
+        return bytes(96 + t for t in tokens)
+"""
+
+
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """A stand-in llama_cpp module, importable here and in the child process."""
+    import sys
+
+    (tmp_path / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    from minisparse.bench import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "gguf_step_bytes", lambda path: 2_000_000)
+
+
+def test_llama_cpp_runs_in_a_child_process_beside_ours(tmp_path, monkeypatch):
+    """The benchmark alternates ours with a llama.cpp child process and compares tokens."""
     from minisparse import bench
 
+    fake_llama_cpp(tmp_path, monkeypatch)
     calls = []
 
-    class FakeLlama:
-        def __init__(self, model_path, n_threads, n_ctx, verbose):
-            calls.append(("init", model_path, n_threads))
-
-        def reset(self):
-            calls.append(("reset",))
-
-        def __call__(self, prompt, max_tokens, temperature, top_k):
-            calls.append(("run", prompt, max_tokens, temperature, top_k))
-            return {"usage": {"completion_tokens": max_tokens}}
-
-    fake = types.ModuleType("llama_cpp")
-    fake.Llama = FakeLlama
-    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    rate = bench.llama_cpp_decode("m.gguf", "hi", max_new_tokens=8, repeats=3, threads=2)
-    assert rate is not None and rate > 0
-    assert calls[0] == ("init", "m.gguf", 2)
-    assert calls.count(("run", "hi", 8, 0.0, 1)) == 4  # one warm-up and three timed runs
-    order = []
-
     def ours():
-        order.append("ours")
-        return 8
+        calls.append("ours")
+        return [7, 8, 9]
 
-    fake.Llama.__call__ = lambda self, *a, **k: (
-        order.append("llama") or {"usage": {"completion_tokens": 8}}
+    r = bench.llama_cpp_decode(tmp_path / "m.gguf", "hi", ours, 1e6, max_new_tokens=3, repeats=3)
+    assert calls == ["ours"] * 4  # one warm-up and three timed runs
+    assert r.llama_cpp_tokens == [7, 8, 9] and r.same_tokens  # cut at max_new_tokens
+    assert r.ours_tok_s > 0 and r.llama_cpp_tok_s > 0
+    assert r.llama_cpp_mb_per_token == 2.0 and r.ours_mb_per_token == 1.0
+    assert r.ratio_per_byte == pytest.approx(r.ratio / 2)
+    from minisparse.bench.llama_cpp import LlamaCppChild
+
+    with LlamaCppChild(tmp_path / "m.gguf", threads=1) as child:  # stops at end-of-sequence
+        assert child.complete("hello", 50).text == "ghijklmno"
+        assert child.complete("again", 2).tokens == [7, 8]  # one child, many requests
+
+
+def test_a_llama_cpp_crash_is_reported_and_ours_goes_on(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from minisparse.bench import decode
+    from minisparse.bench.llama_cpp import REBUILD_HINT, LlamaCppDied
+
+    fake_llama_cpp(tmp_path, monkeypatch)
+    crash = tmp_path / "crash.gguf"
+    crash.write_bytes(b"")
+    with pytest.raises(LlamaCppDied, match=r"died with SIGSEGV on crash\.gguf; a native"):
+        decode.llama_cpp_decode(crash, "hi", lambda: [1], 1.0, 3, repeats=1)
+    model = tiny_model(seed=0)
+    args = argparse.Namespace(
+        gguf=crash, model="tiny", weights="fp32", max_new_tokens=3, repeats=1, prompt="hi"
     )
-    mine, theirs = bench.llama_cpp_decode("m.gguf", "hi", 8, repeats=3, alongside=ours)
-    assert mine > 0 and theirs > 0
-    assert order.count("ours") == order.count("llama") == 4  # alternating, warm-up included
-    assert all(set(order[i : i + 2]) == {"ours", "llama"} for i in range(0, 8, 2))  # per round
-    monkeypatch.delitem(sys.modules, "llama_cpp")
+    assert decode.print_llama_cpp_row(args, model, IdTokenizer()) is None
+    out = capsys.readouterr().out
+    assert out.startswith("llama.cpp: skipped, llama.cpp died with SIGSEGV") and REBUILD_HINT in out
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert bench.llama_cpp_decode("m.gguf", "hi") is None
+    assert decode.llama_cpp_decode(crash, "hi", lambda: [1], 1.0) is None

@@ -25,13 +25,13 @@ def round_like_gguf(model, dtype):
     """The model with its matrices rounded as the file stores them (norms stay fp32)."""
     from gguf import GGMLQuantizationType, quants
 
-    q8 = GGMLQuantizationType.Q8_0
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2 and dtype == "f16":
                 p.copy_(p.half().float())
-            elif p.dim() == 2 and dtype == "q8_0":
-                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), q8), q8)))
+            elif p.dim() == 2 and dtype in ("q8_0", "q4_1"):
+                kind = getattr(GGMLQuantizationType, dtype.upper())
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.numpy(), kind), kind)))
     return model
 
 
@@ -57,7 +57,7 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(tmp_path, stage):
         assert json.loads((tmp_path / "config.json").read_text())["hidden_act"] == "relu"
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0", "q4_1"])
 def test_gguf_export_reads_back_through_transformers_gguf_loader(tmp_path, dtype):
     model = tiny_model(seed=3, std=0.1, **SHAPE)
     E.export_gguf(model, tmp_path / "m.gguf", dtype)

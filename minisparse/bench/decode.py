@@ -33,19 +33,20 @@ import torch
 
 from ..machine import machine
 from ..model import check_count
-from ..timing import ModelSpeed, interleaved_decode, interleaved_per_token
+from ..timing import ModelSpeed, interleaved_decode
 
 __all__ = [
     "PROMPT",
     "DecodeResult",
     "DecodeSpeed",
+    "LlamaCppResult",
     "add_arguments",
     "bench_decode",
     "bench_decode_models",
     "bench_decode_sparse",
+    "check_decode_arguments",
     "hf_greedy",
     "llama_cpp_decode",
-    "llama_cpp_run",
     "main",
     "print_llama_cpp_row",
     "run",
@@ -211,55 +212,71 @@ def bench_decode_sparse(
     )
 
 
-def llama_cpp_run(
-    gguf: str | Path, prompt: str, max_new_tokens: int, threads: int | None = None
-) -> Callable[[], int] | None:
-    """A function that decodes ``prompt`` greedily with llama.cpp on ``gguf`` (a fresh context
-    each call) and returns how many tokens it made; None without ``llama-cpp-python``."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    from llama_cpp import Llama
+@dataclass
+class LlamaCppResult:
+    """minisparse and llama.cpp decoding one prompt, alternating: speeds, bytes, tokens."""
 
-    llm = Llama(
-        model_path=str(gguf),
-        n_threads=threads or torch.get_num_threads(),
-        n_ctx=max(512, 4 * max_new_tokens),
-        verbose=False,
-    )
+    gguf: str
+    ours_tok_s: float
+    llama_cpp_tok_s: float
+    ours_mb_per_token: float  # weight bytes one decode step reads
+    llama_cpp_mb_per_token: float
+    ours_tokens: list[int]
+    llama_cpp_tokens: list[int]
 
-    def run() -> int:
-        llm.reset()
-        out = llm(prompt, max_tokens=max_new_tokens, temperature=0.0, top_k=1)
-        return out["usage"]["completion_tokens"]
+    @property
+    def ratio(self) -> float:
+        return self.ours_tok_s / self.llama_cpp_tok_s
 
-    return run
+    @property
+    def ratio_per_byte(self) -> float:
+        """Ours / theirs in bytes streamed per second: the ratio with the bytes evened out."""
+        ours = self.ours_tok_s * self.ours_mb_per_token
+        return ours / (self.llama_cpp_tok_s * self.llama_cpp_mb_per_token)
+
+    @property
+    def same_tokens(self) -> bool:
+        return self.ours_tokens == self.llama_cpp_tokens
 
 
 def llama_cpp_decode(
     gguf: str | Path,
     prompt: str,
+    ours: Callable[[], list[int]],
+    ours_bytes: float,
     max_new_tokens: int = 64,
     repeats: int = 5,
     threads: int | None = None,
-    alongside: Callable[[], int] | None = None,
-) -> float | tuple[float, float] | None:
-    """Greedy decode tokens/s of llama.cpp on the same GGUF file, or None without it.
+) -> LlamaCppResult | None:
+    """Greedy decode speed of llama.cpp on a GGUF file beside ``ours`` (a function that decodes
+    the same prompt and returns its new tokens; ``ours_bytes``: the bytes its step reads),
+    alternating within every repeat, median of ``repeats`` after one warm-up each. None
+    without ``llama-cpp-python``; ``LlamaCppDied`` when llama.cpp crashes (in its own process:
+    ``minisparse.bench.llama_cpp``).
 
-    llama.cpp comes from the optional ``llama-cpp-python`` package (never needed by the tests).
-    Like ``bench_decode``, each run times the whole call, prompt included, per new token; the
-    median of ``repeats`` runs after one warm-up. With ``alongside`` (a decode function that
-    returns its token count, such as minisparse's own ``generate`` on the same prompt) the two
-    alternate within every repeat and the result is (its tok/s, llama.cpp's tok/s): a ratio
-    from one run, not from two runs minutes apart on a machine whose speed drifts.
+    Like ``bench_decode``, each run times the whole call, prompt included, per new token: a
+    ratio from one run, not from two runs minutes apart on a machine whose speed drifts.
     """
-    run = llama_cpp_run(gguf, prompt, max_new_tokens, threads)
-    if run is None:
+    from .llama_cpp import LlamaCppChild, gguf_step_bytes
+
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
-    runs = {"llama.cpp": run} | ({"alongside": alongside} if alongside is not None else {})
-    seconds = interleaved_per_token(runs, repeats=repeats, warmup=1)
-    if alongside is None:
-        return 1.0 / seconds["llama.cpp"]
-    return 1.0 / seconds["alongside"], 1.0 / seconds["llama.cpp"]
+    threads = threads or torch.get_num_threads()
+    with LlamaCppChild(gguf, threads, n_ctx=max(512, 4 * max_new_tokens)) as child:
+        runs = {
+            "llama.cpp": lambda: child.complete(prompt, max_new_tokens).tokens,
+            "minisparse": ours,
+        }
+        speeds = interleaved_decode(runs, repeats, 1, progress=False)
+    return LlamaCppResult(
+        gguf=Path(gguf).name,
+        ours_tok_s=speeds["minisparse"].tok_s,
+        llama_cpp_tok_s=speeds["llama.cpp"].tok_s,
+        ours_mb_per_token=ours_bytes / 1e6,
+        llama_cpp_mb_per_token=gguf_step_bytes(gguf) / 1e6,
+        ours_tokens=speeds["minisparse"].tokens,
+        llama_cpp_tokens=speeds["llama.cpp"].tokens,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -280,35 +297,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="our weights in the llama.cpp comparison (int8: beside a q8_0 GGUF file; int4, "
         "groups of 32 with a scale and zero each: beside a Q4_1 file such as the shipped one)",
     )
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="the GGUF file llama.cpp decodes (default: the model's own file); make a "
+        "like-for-like one with minisparse export OUT.gguf --format gguf --dtype f32|q8_0|q4_1",
+    )
+    parser.add_argument(
+        "--no-transformers",
+        action="store_true",
+        help="only the llama.cpp comparison (skip the three rows against transformers)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
-def run(args: argparse.Namespace) -> int:
-    """minisparse's decode paths against transformers (and llama.cpp); 1 if tokens differ."""
-    from ..loading import load, load_hf_reference, resolve_device
-    from ..model import use_streaming_gemv
-
+def check_decode_arguments(args: argparse.Namespace) -> None:
+    """--prompt, --max-new-tokens and --repeats checked before a model loads."""
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; give some text to decode after.")
     check_count(args.max_new_tokens, "--max-new-tokens")
     check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")
+
+
+def run(args: argparse.Namespace) -> int:
+    """minisparse's decode paths against transformers (and llama.cpp); 1 if tokens differ."""
+    from ..loading import load, resolve_device
+
+    check_decode_arguments(args)
     resolve_device(args.device)
     about = machine()
     print(about.line(), flush=True)
     model, tokenizer = load(args.model, device=args.device)
-    print("loading transformers' own model for the same checkpoint ...", flush=True)
-    hf_model, _ = load_hf_reference(args.model)
-    hf_model = hf_model.to(model.device).eval()
     print(
         f"prompt: {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, batch 1, "
         f"{torch.get_num_threads()} threads, median of {args.repeats} after warm-up"
     )
+    llama_cpp = print_llama_cpp_row(args, model, tokenizer)  # before the variants change model
+    rows = {} if args.no_transformers else transformers_rows(args, model, tokenizer)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k not in ("func", "json")}
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
+        payload = {"machine": about.as_dict(), "settings": settings, "rows": rows}
+        payload["weights"] = args.weights
+        payload["llama_cpp"] = None
+        if llama_cpp is not None:
+            extra = {"ratio": llama_cpp.ratio, "ratio_per_byte": llama_cpp.ratio_per_byte}
+            payload["llama_cpp"] = asdict(llama_cpp) | extra | {"same": llama_cpp.same_tokens}
+        payload["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        payload["command"] = "minisparse " + " ".join(getattr(args, "argv", []))
+        args.json.write_text(json.dumps(payload, indent=1))
+        print(f"\nwrote {args.json}")
+    return 0 if all(r["same_tokens"] for r in rows.values()) else 1
+
+
+def transformers_rows(
+    args: argparse.Namespace, model: Any, tokenizer: Any
+) -> dict[str, dict[str, Any]]:
+    """minisparse's three decode paths, each beside transformers' ``generate``, printed."""
+    from ..loading import load_hf_reference
+    from ..model import use_streaming_gemv
+
+    print("loading transformers' own model for the same checkpoint ...", flush=True)
+    hf_model, _ = load_hf_reference(args.model)
+    hf_model = hf_model.to(model.device).eval()
     variants = {  # name: (set the model up, compiled decode steps)
         "minisparse (default: compiled step)": (lambda m: m, True),
         "minisparse (torch modules, F.linear)": (lambda m: m, False),
         "minisparse (torch modules, streaming)": (use_streaming_gemv, False),
     }
-    llama_cpp = print_llama_cpp_row(args, model, tokenizer)  # before the variants change model
     rows = {}
     for name, (setup, compiled) in variants.items():
         r = bench_decode(
@@ -322,34 +380,25 @@ def run(args: argparse.Namespace) -> int:
             f"same tokens: {r.same_tokens}",
             flush=True,
         )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items() if k not in ("func", "json")}
-        payload = {"machine": about.as_dict(), "settings": settings, "rows": rows}
-        payload["weights"] = args.weights
-        payload["minisparse_beside_llama_cpp_tok_s"] = llama_cpp[0] if llama_cpp else None
-        payload["llama_cpp_tok_s"] = llama_cpp[1] if llama_cpp else None
-        payload["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        payload["command"] = "minisparse " + " ".join(getattr(args, "argv", []))
-        args.json.write_text(json.dumps(payload, indent=1))
-        print(f"\nwrote {args.json}")
-    return 0 if all(r["same_tokens"] for r in rows.values()) else 1
+    return rows
 
 
 def print_llama_cpp_row(
     args: argparse.Namespace, model: Any, tokenizer: Any
-) -> tuple[float, float] | None:
-    """llama.cpp on the model's GGUF file beside our compiled decode of the same prompt (at
-    ``--weights``), alternating within each repeat, when llama-cpp-python is installed:
-    (ours tok/s, llama.cpp tok/s)."""
+) -> LlamaCppResult | None:
+    """llama.cpp on the model's GGUF file (``--gguf``, or the file ``--model`` names) beside
+    our compiled decode of the same prompt at ``--weights``, alternating within each repeat,
+    when llama-cpp-python is installed. A crash of llama.cpp prints why and returns None."""
+    from ..engine import step_bytes
     from ..generate import generate
     from ..loading import embedded_gguf_path
+    from .llama_cpp import LlamaCppDied
 
-    gguf = Path(args.model) if args.model.endswith(".gguf") else None
-    if args.model == "smollm2-135m":
+    gguf = args.gguf or (Path(args.model) if args.model.endswith(".gguf") else None)
+    if gguf is None and args.model == "smollm2-135m":
         gguf = embedded_gguf_path()
     if gguf is None:
-        print("llama.cpp: no GGUF file for this model; give --model FILE.gguf to compare")
+        print("llama.cpp: no GGUF file for this model; give --gguf FILE.gguf to compare")
         return None
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp: not installed (optional: pip install llama-cpp-python)")
@@ -360,17 +409,24 @@ def print_llama_cpp_row(
 
         ours = low_bit(model, args.weights)  # the engine's int8 / int4 weights
     n = args.max_new_tokens
-    rates = llama_cpp_decode(
-        gguf, args.prompt, n, args.repeats,
-        alongside=lambda: len(generate(ours, tokenizer, args.prompt, max_new_tokens=n)),
-    )  # fmt: skip
-    mine, theirs = rates  # type: ignore[misc]
+    try:
+        r = llama_cpp_decode(
+            gguf, args.prompt, lambda: generate(ours, tokenizer, args.prompt, max_new_tokens=n),
+            step_bytes(ours), n, args.repeats,
+        )  # fmt: skip
+    except LlamaCppDied as err:
+        print(f"llama.cpp: skipped, {err}", flush=True)
+        return None
+    assert r is not None
     print(
-        f"\nside by side, alternating: minisparse compiled step ({args.weights} weights) "
-        f"{mine:6.1f} tok/s | llama.cpp ({gguf.name}) {theirs:6.1f} tok/s | ours / llama.cpp "
-        f"{mine / theirs:.2f}x"
+        f"\nside by side, alternating: minisparse compiled step ({args.weights} weights, "
+        f"{r.ours_mb_per_token:.1f} MB/token) {r.ours_tok_s:6.1f} tok/s | llama.cpp ({gguf.name}, "
+        f"{r.llama_cpp_mb_per_token:.1f} MB/token) {r.llama_cpp_tok_s:6.1f} tok/s | ours / "
+        f"llama.cpp {r.ratio:.2f}x, per byte {r.ratio_per_byte:.2f}x | same tokens: "
+        f"{r.same_tokens}",
+        flush=True,
     )
-    return mine, theirs
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,9 @@ __all__ = [
     "SparseDecodeResult",
     "bench_sparse_decode",
     "called_predictors",
+    "greedy_steps",
     "predictor_bytes",
+    "prefill",
     "site_zero_shares",
     "sparse_perplexity",
     "thresholded_step_bytes",
@@ -136,7 +138,7 @@ def sparse_perplexity(dense: Transformer, sparse: Transformer, eval_ids: Tensor)
 
 
 @torch.inference_mode()
-def _prefill(model: Transformer, prompt_ids: list[int], new_tokens: int) -> tuple[Any, int]:
+def prefill(model: Transformer, prompt_ids: list[int], new_tokens: int) -> tuple[Any, int]:
     """A static KV cache holding the prompt, and the model's greedy token after it."""
     total = check_length(model, len(prompt_ids), new_tokens + 1)
     kv = make_kv_cache("static", model.config, total, 1, torch.float32, "cpu")
@@ -144,10 +146,13 @@ def _prefill(model: Transformer, prompt_ids: list[int], new_tokens: int) -> tupl
     return kv, int(model.lm_head(hidden[0, -1]).argmax())
 
 
-def _greedy_run(model: Transformer, prompt_ids: list[int], n: int) -> tuple[int, Callable]:
-    """The greedy token after the prompt, and a function that decodes the n after it."""
-    kv, first = _prefill(model, prompt_ids, n)
-    decoder, pos = Decoder(model, kv), len(prompt_ids)
+def greedy_steps(
+    model: Transformer, prompt_ids: list[int], n: int, lib: Any = None
+) -> tuple[int, Callable]:
+    """The greedy token after the prompt, and a function that decodes the n after it with
+    compiled decode steps (``lib``: a build of ``decode_step.c``, default the chosen one)."""
+    kv, first = prefill(model, prompt_ids, n)
+    decoder, pos = Decoder(model, kv, lib), len(prompt_ids)
 
     @torch.inference_mode()
     def run() -> list[int]:
@@ -163,7 +168,7 @@ def _greedy_run(model: Transformer, prompt_ids: list[int], n: int) -> tuple[int,
 def site_zero_shares(model: Transformer, prompt_ids: list[int], tokens: list[int]) -> Shares:
     """Per site, per layer: the share of zeros its threshold module (0 without) output while the
     model, as torch modules, stepped through ``tokens``, ``tokens[i]`` at len(prompt) + i."""
-    kv, _ = _prefill(model, prompt_ids, len(tokens))
+    kv, _ = prefill(model, prompt_ids, len(tokens))
     modules = {}
     for site in SITE_PROJECTIONS:
         for i, layer in enumerate(model.layers):
@@ -191,7 +196,7 @@ def bench_sparse_decode(
     it is None: random weights)."""
     firsts, runs = {}, {}
     for name, model in (("dense", dense), ("sparse", sparse)):
-        firsts[name], runs[name] = _greedy_run(model, prompt_ids, max_new_tokens)
+        firsts[name], runs[name] = greedy_steps(model, prompt_ids, max_new_tokens)
     mlps = [m for m in sparse.modules() if isinstance(m, SparseMLP)]
     for m in mlps:  # count the decode runs' steps only
         m.step_density = [0.0, 0]

@@ -11,9 +11,10 @@ A compiled library is only valid for what built it, so its file name carries a k
 compiler or machine never loads a stale library; a damaged file (an interrupted copy, a full
 disk) is compiled again. Compiling writes to a temporary file and renames it into place.
 
-The flags try OpenMP (``-fopenmp``) and the host's vector instructions (``-march=native``)
-first; a compiler without OpenMP (stock macOS clang) builds a single-threaded library instead,
-with a warning naming the fix. Without a usable compiler ``load_library`` returns None, after
+The flags try OpenMP (``-fopenmp``) and the chosen vector instructions (``-march=native``,
+or a portable x86-64 level when that was measured faster here: ``cpu_isa``) first; a compiler
+without OpenMP (stock macOS clang) builds a single-threaded library instead, with a warning
+naming the fix. Without a usable compiler ``load_library`` returns None, after
 one warning, and every function of ``minisparse.kernels.cpu`` runs through torch.
 """
 
@@ -35,15 +36,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from .cpu_isa import Choice, available_targets, chosen_target
 from .cpu_loops import C_SOURCE, declare_loops
 
 __all__ = [
     "BASE_FLAGS",
     "FLAG_LADDER",
     "Compiler",
+    "build_choice",
     "cache_dir",
     "cpu_identity",
+    "describe_build",
     "find_compiler",
+    "flag_ladder",
     "library_key",
     "load_library",
     "load_source_library",
@@ -53,9 +60,16 @@ __all__ = [
 
 
 BASE_FLAGS = ("-O3", "-shared", "-fPIC")
-# Tried in order: OpenMP and the host's vector instructions first; a compiler that knows neither
-# flag (stock macOS clang has no -fopenmp) still builds a plain, single-threaded library.
-FLAG_LADDER = (("-fopenmp", "-march=native"), ("-fopenmp",), ("-march=native",), ())
+
+
+def flag_ladder(target: str = "native") -> tuple[tuple[str, ...], ...]:
+    """Flags tried in order: OpenMP and ``-march=target`` first; a compiler that knows neither
+    flag (stock macOS clang has no -fopenmp) still builds a plain, single-threaded library."""
+    march = f"-march={target}"
+    return (("-fopenmp", march), ("-fopenmp",), (march,), ())
+
+
+FLAG_LADDER = flag_ladder()
 
 
 @dataclass(frozen=True)
@@ -137,7 +151,7 @@ def with_local_headers(source: str, folder: Path | None = None) -> str:
 LOOPS_SOURCE = with_local_headers(C_SOURCE)
 
 
-def library_key(compiler: Compiler, source: str = LOOPS_SOURCE) -> str:
+def library_key(compiler: Compiler, source: str = LOOPS_SOURCE, target: str = "native") -> str:
     """Hash of everything the compiled file depends on: source, compiler, flags, platform, CPU."""
     parts = [
         source,
@@ -145,16 +159,16 @@ def library_key(compiler: Compiler, source: str = LOOPS_SOURCE) -> str:
         compiler.path,
         compiler.version,
         repr(BASE_FLAGS),
-        repr(FLAG_LADDER),
+        repr(flag_ladder(target)),
         sys.platform,
         cpu_identity(),
     ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _compile(compiler: Compiler, out: Path, source: str = LOOPS_SOURCE) -> None:
-    """Compile ``source`` to the shared library ``out`` with the first flags of FLAG_LADDER the
-    compiler accepts (atomically: a temporary file, then a rename)."""
+def _compile(compiler: Compiler, out: Path, source: str, target: str) -> None:
+    """Compile ``source`` to the shared library ``out`` with the first flags of
+    ``flag_ladder(target)`` the compiler accepts (atomically: a temporary file, then a rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src = Path(tmp) / "source.c"
@@ -162,7 +176,7 @@ def _compile(compiler: Compiler, out: Path, source: str = LOOPS_SOURCE) -> None:
         lib = Path(tmp) / out.name
         base = [*compiler.command, *BASE_FLAGS, str(src), "-o", str(lib), "-lm"]
         last_error = ""
-        for extra in FLAG_LADDER:
+        for extra in flag_ladder(target):
             proc = subprocess.run(
                 base + list(extra), capture_output=True, text=True, check=False, timeout=300
             )
@@ -173,16 +187,65 @@ def _compile(compiler: Compiler, out: Path, source: str = LOOPS_SOURCE) -> None:
         raise RuntimeError(last_error)
 
 
-def _open(compiler: Compiler, path: Path, source: str = LOOPS_SOURCE) -> ctypes.CDLL:
+def _open(compiler: Compiler, path: Path, source: str, target: str) -> ctypes.CDLL:
     """The library at ``path``, compiled first when missing or damaged."""
     if not path.exists():
-        _compile(compiler, path, source)
+        _compile(compiler, path, source, target)
     try:
         return ctypes.CDLL(str(path))
     except OSError:  # a damaged file (an interrupted copy, a full disk): build it again
         path.unlink(missing_ok=True)
-        _compile(compiler, path, source)
+        _compile(compiler, path, source, target)
         return ctypes.CDLL(str(path))
+
+
+def source_text(filename: str) -> str:
+    """A C file of this package with its local headers pasted in: what is compiled and hashed."""
+    return with_local_headers((Path(__file__).parent / filename).read_text())
+
+
+def build_for(compiler: Compiler, filename: str, target: str) -> ctypes.CDLL:
+    """``filename`` compiled for ``target`` (cached under its key) and loaded."""
+    source = LOOPS_SOURCE if filename == "cpu_loops" else source_text(filename)
+    stem = "sparse_gemv" if filename == "cpu_loops" else Path(filename).stem
+    key = library_key(compiler, source, target)
+    return _open(compiler, cache_dir() / f"{stem}_{key}.so", source, target)
+
+
+def _usable_compiler() -> Compiler | None:
+    spec = find_compiler()
+    return None if spec is None else resolve_compiler(spec)
+
+
+@functools.lru_cache(maxsize=1)
+def build_choice() -> Choice | None:
+    """The target every library of this process is compiled for (``cpu_isa.chosen_target``,
+    measured once per machine and compiler, the choice saved in the cache); None without a
+    usable compiler or off Linux and macOS."""
+    if not sys.platform.startswith("linux") and sys.platform != "darwin":
+        return None
+    compiler = _usable_compiler()
+    if compiler is None:
+        return None
+    targets = available_targets()
+    saved = (
+        cache_dir() / f"march_{library_key(compiler, source_text('decode_step.c'), 'auto')}.json"
+    )
+    return chosen_target(
+        targets, lambda t: build_for(compiler, "decode_step.c", t), saved, torch.get_num_threads()
+    )
+
+
+def describe_build() -> str:
+    """One line on the compiled kernels: compiler and target, or why the torch path runs."""
+    choice = build_choice()
+    if choice is None:
+        spec = find_compiler()
+        why = "no C compiler found" if spec is None else f"the C compiler {spec!r} is not usable"
+        return f"torch path ({why})"
+    compiler = _usable_compiler()
+    version = compiler.version.splitlines()[0] if compiler else "?"
+    return f"C kernels: {version}, {choice.describe()}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -192,7 +255,8 @@ def load_library() -> ctypes.CDLL | None:
         return None
     spec = find_compiler()
     compiler = None if spec is None else resolve_compiler(spec)
-    if compiler is None:
+    choice = None if compiler is None else build_choice()
+    if compiler is None or choice is None:
         named = "No C compiler found" if spec is None else f"The C compiler {spec!r} is not usable"
         warnings.warn(
             f"{named}, so minisparse's CPU sparse kernels fall back to index_select + matmul, "
@@ -201,7 +265,7 @@ def load_library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        lib = _open(compiler, cache_dir() / f"sparse_gemv_{library_key(compiler)}.so")
+        lib = build_for(compiler, "cpu_loops", choice.target)
         declare_loops(lib)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
         warnings.warn(
@@ -229,11 +293,9 @@ def load_source_library(
     fast path is unavailable (after the one warning ``load_library`` gives)."""
     if load_library() is None:
         return None
-    compiler = resolve_compiler(find_compiler() or "")
-    source = with_local_headers((Path(__file__).parent / filename).read_text())
-    key = library_key(compiler, source)
+    compiler, choice = resolve_compiler(find_compiler() or ""), build_choice()
     try:
-        lib = _open(compiler, cache_dir() / f"{Path(filename).stem}_{key}.so", source)
+        lib = build_for(compiler, filename, choice.target)
         declare(lib)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
         warnings.warn(

@@ -18,6 +18,7 @@
    way a weight row is stored (float32, int8, 4-bit blocks), are in matvec.h. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -530,4 +531,60 @@ int lm_head_step(const float* x, int64_t B, const float* norm, float eps, const 
         gemm_rows(*w_out, 0, scratch, logits, B, vocab, dim, 0);  /* never input-major */
     }
     return 0;
+}
+
+/* The fixed workload that chooses between builds of this file (minisparse.kernels.cpu_isa):
+   products of a [rows, 576] matrix stored each way a decode step reads one (float32 rows,
+   float32 input-major, int8 rows, 4-bit blocks) with 1 and 5 tokens, `reps` times, on fixed
+   synthetic values. The caller times the call. Returns a checksum, so that no compiler drops
+   the work, or NaN when the memory cannot be allocated. */
+double isa_probe(int64_t rows, int64_t reps, int num_threads) {
+    const int64_t K = 576, B = 5, nb = K / 32;
+    float* w = malloc(rows * K * sizeof(float));
+    float* wt = malloc(K * rows * sizeof(float));
+    int8_t* q8 = malloc(rows * K);
+    float* scale = malloc(rows * sizeof(float));
+    Q4Block* q4 = malloc(rows * nb * sizeof(Q4Block));
+    float* X = malloc(B * K * sizeof(float));
+    float* Y = malloc(B * rows * sizeof(float));
+    float* parts = malloc((int64_t)num_threads * B * rows * sizeof(float));
+    double check = NAN;
+    if (w && wt && q8 && scale && q4 && X && Y && parts) {
+        uint32_t r = 12345u;  /* a linear congruential generator: the same values every run */
+        for (int64_t i = 0; i < rows * K; i++) {
+            r = r * 1664525u + 1013904223u;
+            w[i] = (float)(r >> 8) / 16777216.0f - 0.5f;
+            wt[(i % K) * rows + i / K] = w[i];
+            q8[i] = (int8_t)(r >> 24);
+        }
+        for (int64_t i = 0; i < rows; i++) scale[i] = 0.01f;
+        for (int64_t i = 0; i < rows * nb; i++) {
+            q4[i].scale = 0x3c24;  /* 0.01 and 0.5 in bfloat16 */
+            q4[i].zero = 0x3f00;
+            for (int q = 0; q < 16; q++) q4[i].codes[q] = (uint8_t)(w[(i * 16 + q) % (rows * K)] * 255.0f + 128.0f);
+        }
+        for (int64_t i = 0; i < B * K; i++) X[i] = w[i];
+        const Mat mf = {w, 0, 0, 0}, mt = {wt, 0, rows, 0}, m8 = {q8, scale, 0, 0}, m4 = {q4, 0, 0, 1};
+        check = 0.0;
+        for (int64_t rep = 0; rep < reps; rep++) {
+            #pragma omp parallel num_threads(num_threads)
+            {
+                gemm_rows(mf, 0, X, Y, 1, rows, K, parts);
+                #pragma omp barrier
+                gemm_rows(mf, 0, X, Y, B, rows, K, parts);
+                #pragma omp barrier
+                gemm_rows(mt, 0, X, Y, 1, rows, K, parts);  /* ends with a barrier */
+                gemm_rows(m8, 0, X, Y, 1, rows, K, parts);
+                #pragma omp barrier
+                gemm_rows(m8, 0, X, Y, B, rows, K, parts);
+                #pragma omp barrier
+                gemm_rows(m4, 0, X, Y, 1, rows, K, parts);
+                #pragma omp barrier
+                gemm_rows(m4, 0, X, Y, B, rows, K, parts);
+            }
+            check += Y[rep % (B * rows)];
+        }
+    }
+    free(w); free(wt); free(q8); free(scale); free(q4); free(X); free(Y); free(parts);
+    return check;
 }

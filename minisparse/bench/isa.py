@@ -1,0 +1,146 @@
+"""Benchmark: the decode step compiled for each instruction-set target, side by side.
+
+``minisparse bench isa`` compiles ``decode_step.c`` for every target this CPU runs (the host's
+own ``-march=native``, ``x86-64-v3`` = AVX2 + FMA, ``x86-64-v2`` = SSE4.2) and decodes the same
+prompt greedily with each build, the builds alternating within every repeat (median of
+repeats, warm-up first), for float32, int8 and 4-bit weights. Each row prints tokens/s, the
+ratio to the native build, the weight bytes one step reads and the rate they stream at, and
+whether the tokens are those of the native build. It is the check behind ``cpu_isa``'s
+automatic choice: on every CPU the chosen build should be the fastest row, within noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..machine import machine
+from ..timing import interleaved_decode
+from .decode import PROMPT, check_decode_arguments
+
+__all__ = ["IsaRow", "add_arguments", "bench_isa", "main", "run"]
+
+WEIGHTS = ("fp32", "int8", "int4")
+
+
+@dataclass
+class IsaRow:
+    """One build's decode speed at one weight format, beside the native build's."""
+
+    weights: str
+    target: str
+    tok_s: float
+    vs_native: float
+    mb_per_token: float  # weight bytes one decode step reads
+    same_tokens_as_native: bool
+    chosen: bool  # the build the library uses (cpu_isa's choice)
+
+    @property
+    def gb_s(self) -> float:
+        """The rate the step's weights stream at."""
+        return self.mb_per_token * self.tok_s / 1e3
+
+
+def bench_isa(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    weights: tuple[str, ...] = WEIGHTS,
+    max_new_tokens: int = 32,
+    repeats: int = 5,
+    progress: bool = True,
+) -> list[IsaRow]:
+    """Greedy decode tokens/s of every target's build of the decode step, per weight format
+    (the native build first in each format)."""
+    from ..decode_layers import declare_step_library
+    from ..engine import low_bit, step_bytes
+    from ..kernels.cpu_build import build_choice, build_for, find_compiler, resolve_compiler
+    from ..kernels.cpu_isa import available_targets
+    from .sparse_steps import greedy_steps
+
+    compiler = resolve_compiler(find_compiler() or "")
+    choice = build_choice()
+    if compiler is None or choice is None:
+        raise RuntimeError("bench isa compiles the decode step: install gcc or clang (or set CC).")
+    libs = {}
+    for target in available_targets():
+        libs[target] = build_for(compiler, "decode_step.c", target)
+        declare_step_library(libs[target])
+    rows = []
+    for kind in weights:
+        m = model if kind == "fp32" else low_bit(model, kind)
+        runs, firsts = {}, {}
+        for target, lib in libs.items():
+            firsts[target], runs[target] = greedy_steps(m, prompt_ids, max_new_tokens, lib)
+        speeds = interleaved_decode(runs, repeats, 1, progress)
+        mb = step_bytes(m) / 1e6
+        native = speeds["native"]
+        for target, s in speeds.items():
+            same = [firsts[target], *s.tokens] == [firsts["native"], *native.tokens]
+            ratio = s.tok_s / native.tok_s
+            rows.append(IsaRow(kind, target, s.tok_s, ratio, mb, same, target == choice.target))
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``minisparse bench isa``."""
+    parser.add_argument("--model", default="smollm2-135m", help="short name, directory or .gguf")
+    parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS))
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table; 1 when a build's tokens differ from the native build's."""
+    from ..generate import encode_prompt
+    from ..loading import load
+
+    check_decode_arguments(args)
+    about = machine()
+    print(about.line(), flush=True)
+    model, tokenizer = load(args.model, device="cpu")
+    ids = encode_prompt(tokenizer, args.prompt)
+    print(
+        f"{args.max_new_tokens} greedy decode steps after a {len(ids)}-token prompt, batch 1, "
+        f"{torch.get_num_threads()} threads, builds alternating, median of {args.repeats}"
+    )
+    rows = bench_isa(model, ids, tuple(args.weights), args.max_new_tokens, args.repeats)
+    print(f"{'weights':7s} {'build':12s} {'tok/s':>7s} {'vs native':>9s} {'MB/token':>8s} "
+          f"{'GB/s':>6s}  same tokens")  # fmt: skip
+    for r in rows:
+        mark = "  <- chosen" if r.chosen else ""
+        print(
+            f"{r.weights:7s} {r.target:12s} {r.tok_s:7.1f} {r.vs_native:8.2f}x "
+            f"{r.mb_per_token:8.1f} {r.gb_s:6.1f}  {r.same_tokens_as_native}{mark}",
+            flush=True,
+        )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "machine": about.as_dict(),
+            "settings": {k: str(v) for k, v in vars(args).items() if k not in ("func", "json")},
+            "rows": [asdict(r) | {"gb_s": r.gb_s} for r in rows],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+        args.json.write_text(json.dumps(payload, indent=1))
+        print(f"\nwrote {args.json}")
+    return 0 if all(r.same_tokens_as_native for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m minisparse.bench.isa", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
