@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["cache_dir", "save_tensors_atomic", "write_dir_atomic"]
+__all__ = ["atomic_write_text", "cache_dir", "save_tensors_atomic", "write_dir_atomic"]
 
 
 def cache_dir() -> Path:
@@ -42,6 +42,19 @@ def save_tensors_atomic(
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """A text file written to a temporary name, then renamed: never half a file at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

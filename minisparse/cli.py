@@ -1,6 +1,6 @@
 """The ``minisparse`` command line: info, generate, tour and benchmarks.
 
-minisparse info                          model shape, parameter count, cache location
+minisparse info                          model shape, parameter count, cache, CPU build
 minisparse generate "prompt" [--chat]    stream a continuation (or a chat answer)
 minisparse tour                          the five-minute tour of the real model
 minisparse bench decode                  minisparse vs transformers decode speed
@@ -49,6 +49,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from .kernels.cpu_build import describe_build
     from .loading import cache_dir, load
     from .tour import describe
 
@@ -56,7 +57,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     model, _ = load(args.model, device=args.device)
     print(
         f"model:  {args.model}\nshape:  {describe(model)}\ndevice: {model.device}\n"
-        f"cache:  {cache_dir()}"
+        f"cache:  {cache_dir()}\nCPU build: {describe_build()}"
     )
     return 0
 
@@ -259,7 +260,7 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
-        "info", help="model shape, parameter count, cache location", parents=[common]
+        "info", help="model shape, parameter count, cache location, CPU build", parents=[common]
     )
     add_model_arguments(p)
     p.set_defaults(func=cmd_info)

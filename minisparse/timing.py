@@ -66,11 +66,16 @@ def interleaved_times(
     device: torch.device | str | None = None,
     progress: bool = False,
     desc: str = "timing",
+    rotate: bool = True,
 ) -> dict[str, list[float]]:
     """Seconds of every timed call of each function: ``repeats`` values per name.
 
-    ``warmup + repeats`` rounds; each round calls every function once, in the order of
-    ``fns``, and the first ``warmup`` rounds are dropped.
+    ``warmup + repeats`` rounds; each round calls every function once, and the first
+    ``warmup`` rounds are dropped. With ``rotate``, round r starts at the r-th function of
+    ``fns``, so that no function always runs first or right after the same other one: a
+    machine can favour a position in the round (a cache another run warmed, a clock that
+    ramps up), and rotating spreads that over all of them. Without it, every round runs in the
+    order of ``fns``.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
@@ -78,10 +83,12 @@ def interleaved_times(
         raise ValueError(f"warmup must be at least 0, got {warmup}.")
     times: dict[str, list[float]] = {name: [] for name in fns}
     synchronize(device)
+    names = list(fns)
     for r in tqdm(range(warmup + repeats), desc=desc, disable=not progress, leave=False):
-        for name, fn in fns.items():
+        start = r % len(names) if rotate else 0
+        for name in names[start:] + names[:start]:
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             synchronize(device)
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
@@ -228,7 +235,10 @@ def interleaved_decode_steps(
     for name in runs:  # the 1-token run first: anything a run records is the long run's
         fns[f"{name} @1"] = timed(name, 1)
         fns[f"{name} @n"] = timed(name, new_tokens)
-    times = interleaved_times(fns, repeats, warmup, progress=progress, desc="decode steps")
+    # in order: each run's 1-token call right before its long one, which records last
+    times = interleaved_times(
+        fns, repeats, warmup, progress=progress, desc="decode steps", rotate=False
+    )
     speeds, prefill = {}, {}
     for name in runs:
         one, many = times[f"{name} @1"], times[f"{name} @n"]

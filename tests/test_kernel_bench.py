@@ -150,8 +150,12 @@ def test_harness_interleaves_variants_after_the_warm_up(monkeypatch):
     monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
     times = timing.interleaved_times(fns, repeats=3, warmup=2)
-    assert calls == ["a", "b", "c"] * 5  # rounds: every variant once, in order
+    # rounds: every variant once, the order rotating from round to round
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c", "b", "c", "a"]
     assert times == {name: [1.0, 1.0, 1.0] for name in fns}  # warm-up rounds dropped
+    calls.clear()
+    timing.interleaved_times(fns, repeats=1, warmup=1, rotate=False)
+    assert calls == ["a", "b", "c"] * 2
     with pytest.raises(ValueError, match="warmup"):
         timing.interleaved_times(fns, repeats=1, warmup=-1)
 

@@ -119,6 +119,9 @@ def test_no_compiler_means_torch_everywhere(tmp_path):
         "Wd = torch.randn(30, 20, generator=g)\n"
         "h = torch.nn.functional.silu(x @ W[idx].T) * (x @ W[idx].T)\n"
         "assert close(cpu.sparse_ffn(x, W, W, Wd, idx), h @ Wd[idx])\n"
+        "from minisparse.kernels.cpu_build import describe_build\n"
+        "said = describe_build()\n"
+        "assert said == \"torch path (the C compiler '/nonexistent/cc' is not usable)\", said\n"
         "print('ok')\n"
     )
     proc = run_python(code, CC="/nonexistent/cc", MINISPARSE_CACHE=str(tmp_path))

@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 PROMPT = "The Python language reference describes the syntax and"
+WEIGHT_ORDER = ("fp32", "int8", "int4")
 
 
 @dataclass
@@ -310,6 +311,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only the llama.cpp comparison (skip the three rows against transformers)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        help="also add the run to this file of runs (e.g. data/11_decode_vs_llama_cpp.json), "
+        "in place of an earlier run on the same kind of CPU at the same --weights",
+    )
 
 
 def check_decode_arguments(args: argparse.Namespace) -> None:
@@ -335,21 +343,45 @@ def run(args: argparse.Namespace) -> int:
     )
     llama_cpp = print_llama_cpp_row(args, model, tokenizer)  # before the variants change model
     rows = {} if args.no_transformers else transformers_rows(args, model, tokenizer)
+    payload = {"machine": about.as_dict(), "settings": settings_of(args), "rows": rows}
+    payload["weights"] = args.weights
+    payload["llama_cpp"] = None
+    if llama_cpp is not None:
+        extra = {"ratio": llama_cpp.ratio, "ratio_per_byte": llama_cpp.ratio_per_byte}
+        payload["llama_cpp"] = asdict(llama_cpp) | extra | {"same": llama_cpp.same_tokens}
+    payload["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    payload["command"] = "minisparse " + " ".join(getattr(args, "argv", []))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items() if k not in ("func", "json")}
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
-        payload = {"machine": about.as_dict(), "settings": settings, "rows": rows}
-        payload["weights"] = args.weights
-        payload["llama_cpp"] = None
-        if llama_cpp is not None:
-            extra = {"ratio": llama_cpp.ratio, "ratio_per_byte": llama_cpp.ratio_per_byte}
-            payload["llama_cpp"] = asdict(llama_cpp) | extra | {"same": llama_cpp.same_tokens}
-        payload["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        payload["command"] = "minisparse " + " ".join(getattr(args, "argv", []))
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"\nwrote {args.json}")
+    if args.record is not None:
+        record_run(args.record, payload)
+        print(f"recorded the run in {args.record}")
     return 0 if all(r["same_tokens"] for r in rows.values()) else 1
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's options as JSON values."""
+    skip = ("func", "json", "record")
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in skip}
+
+
+def cpu_kind(run: dict[str, Any]) -> tuple[str, str]:
+    """What makes two runs' machines the same kind: the CPU's name and its vector ISA."""
+    return run["machine"]["cpu"], run["machine"]["vector_isa"]
+
+
+def record_run(path: Path, payload: dict[str, Any]) -> None:
+    """Add ``payload`` to the runs file at ``path`` (``{"about": ..., "runs": [...]}``) in place
+    of a run on the same kind of CPU at the same weights; written atomically."""
+    from ..cache import atomic_write_text
+
+    data = json.loads(path.read_text()) if path.exists() else {"about": "", "runs": []}
+    key = (cpu_kind(payload), payload["weights"])
+    data["runs"] = [r for r in data["runs"] if (cpu_kind(r), r["weights"]) != key] + [payload]
+    data["runs"].sort(key=lambda r: (cpu_kind(r), WEIGHT_ORDER.index(r["weights"])))
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def transformers_rows(

@@ -28,7 +28,6 @@ import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -156,17 +155,13 @@ def _read(path: Path) -> Choice | None:
 
 
 def _write(path: Path, choice: Choice) -> None:
-    """Save atomically (a temporary file renamed into place); a failure only costs a re-measure."""
-    tmp = None
+    """Save atomically; a failure (a read-only cache, a full disk) only costs a re-measure."""
+    from ..cache import atomic_write_text
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(choice), f)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(asdict(choice)))
     except OSError:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        pass
 
 
 def chosen_target(

@@ -111,7 +111,28 @@ static inline const Q4Block* q4_row(Mat M, int64_t i, int64_t K) {
         return s;                                                             \
     }
 
+#if defined(__AVX512F__)
+/* float32 rows stream through 8-float registers even with AVX-512: four chains of 256-bit
+   loads and multiply-adds read a row faster than two chains of 512-bit ones on an AMD EPYC
+   with AVX-512 (decode 1.08x, the x86-64-v3 build's speed; alternating, median of 9). The
+   widening loads of int8 and 4-bit codes keep the 512-bit registers, which win there. */
+static inline float dot(const float* a, const float* b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
+    }
+    v8 t = (v8)_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+    float s = ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+    for (; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+#else
 DOT(dot, float, load16)
+#endif
 DOT(dot_i8, int8_t, load16_i8)
 
 /* y[q] = row_q . x for GATHER rows of length K gathered by index: GATHER independent streams,
