@@ -43,21 +43,72 @@ def test_load_and_cpu_kernels_work_without_triton():
     assert "clear error: True" in proc.stdout
 
 
-def test_damaged_compiled_library_is_rebuilt(tmp_path):
+LOAD_LOOPS = (
+    "import warnings; warnings.simplefilter('error')\n"
+    "from minisparse.kernels import cpu\n"
+    "print(cpu.fast_path_available())\n"
+)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["garbage", "truncated", "foreign", "no symbols", "stamp missing"],
+)
+def test_a_damaged_or_foreign_compiled_library_is_rebuilt_never_loaded(tmp_path, damage):
+    """Whatever sits at a library's path, the next run neither crashes nor runs it: a file that
+    does not match the stamp its build wrote (or that lacks a symbol) is compiled again."""
     if not cpu.fast_path_available():
         pytest.skip("no C compiler here: there is no compiled library to damage")
-    code = (
-        "import warnings; warnings.simplefilter('error')\n"
-        "from minisparse.kernels import cpu\n"
-        "print(cpu.fast_path_available())\n"
-    )
-    first = run_python(code, MINISPARSE_CACHE=str(tmp_path))
+    env = {"MINISPARSE_CACHE": str(tmp_path), "MINISPARSE_MARCH": "native"}
+    first = run_python(LOAD_LOOPS, **env)
     assert first.stdout.strip() == "True", first.stderr
     (lib,) = (tmp_path / "cpu_kernels").glob("sparse_gemv_*.so")
-    lib.write_bytes(b"not a shared library")
-    second = run_python(code, MINISPARSE_CACHE=str(tmp_path))
-    assert second.stdout.strip() == "True", second.stderr
-    assert Path(lib).stat().st_size > 1000
+    good = lib.read_bytes()
+    if damage == "garbage":
+        lib.write_bytes(b"not a shared library")
+    elif damage == "truncated":  # a bus error in the dynamic loader if it were loaded
+        lib.write_bytes(good[:10_000])
+    elif damage in ("foreign", "no symbols"):
+        planted = tmp_path / "planted.c"
+        planted.write_text(
+            "#include <stdio.h>\n"
+            '__attribute__((constructor)) static void hello(void) { puts("PLANTED RAN"); }\n'
+            "int unrelated(void) { return 1; }\n"
+        )
+        compiler = cpu.resolve_compiler(cpu.find_compiler())
+        out = tmp_path / "planted.so"
+        subprocess.run(
+            [*compiler.command, "-shared", "-fPIC", str(planted), "-o", str(out)], check=True
+        )
+        lib.write_bytes(out.read_bytes())
+        if damage == "no symbols":  # stamped as if our build had made it: loaded, then refused
+            lib.with_suffix(".sha256").write_text(cpu_build._digest(lib))
+    else:
+        lib.with_suffix(".sha256").unlink()
+    second = run_python(LOAD_LOOPS, **env)
+    assert second.returncode == 0 and second.stdout.strip().endswith("True"), second.stderr
+    if damage != "no symbols":
+        assert "PLANTED RAN" not in second.stdout  # never handed to the dynamic loader
+    assert cpu_build._verified(lib) and lib.stat().st_size > 10_000
+
+
+def test_cache_folders_and_libraries_are_private_whatever_the_umask(tmp_path):
+    if not cpu.fast_path_available():
+        pytest.skip("no C compiler here")
+    cache = tmp_path / "cache"
+    stale = cache / "cpu_kernels" / "tmpdead.build"
+    stale.mkdir(parents=True)
+    os.utime(stale, (0, 0))  # a compile killed long ago
+    code = "import os; os.umask(0)\n" + LOAD_LOOPS
+    proc = run_python(code, MINISPARSE_CACHE=str(cache), MINISPARSE_MARCH="native")
+    assert proc.stdout.strip() == "True", proc.stderr
+    folder = cache / "cpu_kernels"
+    assert folder.stat().st_mode & 0o077 == 0
+    (lib,) = folder.glob("sparse_gemv_*.so")
+    assert (
+        lib.stat().st_mode & 0o077 == 0 and lib.with_suffix(".sha256").stat().st_mode & 0o077 == 0
+    )
+    assert not stale.exists()  # swept
 
 
 def test_library_leaves_environment_and_triton_alone(embedded):

@@ -69,8 +69,7 @@ def bench_isa(
         raise RuntimeError("bench isa compiles the decode step: install gcc or clang (or set CC).")
     libs = {}
     for target in available_targets():
-        libs[target] = build_for(compiler, "decode_step.c", target)
-        declare_step_library(libs[target])
+        libs[target] = build_for(compiler, "decode_step.c", target, declare_step_library)
     rows = []
     for kind in weights:
         m = model if kind == "fp32" else low_bit(model, kind)

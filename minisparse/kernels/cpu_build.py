@@ -8,8 +8,12 @@ seconds; every later process finds the compiled file and loads it in millisecond
 A compiled library is only valid for what built it, so its file name carries a key
 (``library_key``): a hash of the source, the compiler's command, resolved path and
 ``--version``, the flags, the platform and the CPU model with its feature flags. A changed
-compiler or machine never loads a stale library; a damaged file (an interrupted copy, a full
-disk) is compiled again. Compiling writes to a temporary file and renames it into place.
+compiler or machine never loads a stale library. Compiling writes into a private temporary
+folder, renames the library into place and stamps it with its SHA-256 (``NAME.sha256``
+beside it); a library is loaded only when it matches its stamp, so a damaged file (an
+interrupted copy, a full disk, a truncation that would kill the process in the dynamic
+loader) or one put there by something else is compiled again, never loaded. So is one that
+lacks a symbol the package declares. Folders and libraries are the user's alone (0700).
 
 The flags try OpenMP (``-fopenmp``) and the chosen vector instructions (``-march=native``,
 or a portable x86-64 level when that was measured faster here: ``cpu_isa``) first; a compiler
@@ -20,6 +24,7 @@ one warning, and every function of ``minisparse.kernels.cpu`` runs through torch
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import functools
 import hashlib
@@ -31,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_isa import Choice, available_targets, chosen_target
+from .cpu_isa import Choice, available_targets, chosen_target, declare_probe
 from .cpu_loops import C_SOURCE, declare_loops
 
 __all__ = [
@@ -166,11 +172,48 @@ def library_key(compiler: Compiler, source: str = LOOPS_SOURCE, target: str = "n
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _stamp(path: Path) -> Path:
+    """The file beside a library that holds the hash of the library as its build wrote it."""
+    return path.with_suffix(".sha256")
+
+
+def _verified(path: Path) -> bool:
+    """True when ``path`` is exactly what a finished build wrote (its hash matches the stamp).
+
+    A truncated or replaced library is never handed to the dynamic loader: loading a truncated
+    ELF file can kill the process with a bus error, and loading a foreign one runs its code.
+    """
+    try:
+        return _stamp(path).read_text().strip() == _digest(path)
+    except OSError:
+        return False
+
+
+def _sweep(folder: Path) -> None:
+    """Remove build folders (``*.build``) that a killed compile left behind, once they are an
+    hour old (a running compile takes seconds)."""
+    now = time.time()
+    for entry in folder.glob("*.build"):
+        try:
+            if now - entry.stat().st_mtime > 3600:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def _compile(compiler: Compiler, out: Path, source: str, target: str) -> None:
     """Compile ``source`` to the shared library ``out`` with the first flags of
-    ``flag_ladder(target)`` the compiler accepts (atomically: a temporary file, then a rename)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    ``flag_ladder(target)`` the compiler accepts: in a private temporary folder, then renamed
+    into place (atomic) and stamped with its hash. The folder and the library are the user's
+    alone (0700), whatever the umask."""
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(out.parent, 0o700)  # the libraries' own folder: private even if made before
+    _sweep(out.parent)
+    with tempfile.TemporaryDirectory(dir=out.parent, suffix=".build") as tmp:
         src = Path(tmp) / "source.c"
         src.write_text(source)
         lib = Path(tmp) / out.name
@@ -181,22 +224,37 @@ def _compile(compiler: Compiler, out: Path, source: str, target: str) -> None:
                 base + list(extra), capture_output=True, text=True, check=False, timeout=300
             )
             if proc.returncode == 0:
+                os.chmod(lib, 0o700)
+                stamp = Path(tmp) / "stamp"
+                stamp.write_text(_digest(lib))
+                os.chmod(stamp, 0o600)
                 os.replace(lib, out)
+                os.replace(stamp, _stamp(out))
                 return
             last_error = proc.stderr.strip()
         raise RuntimeError(last_error)
 
 
-def _open(compiler: Compiler, path: Path, source: str, target: str) -> ctypes.CDLL:
-    """The library at ``path``, compiled first when missing or damaged."""
-    if not path.exists():
+def _open(
+    compiler: Compiler, path: Path, source: str, target: str, declare: Callable[[ctypes.CDLL], None]
+) -> ctypes.CDLL:
+    """The library at ``path``, loaded and declared; compiled first when it is missing, does
+    not match its stamp (truncated, replaced), or lacks a symbol ``declare`` needs."""
+    if not _verified(path):
         _compile(compiler, path, source, target)
+    lib = None
     try:
-        return ctypes.CDLL(str(path))
-    except OSError:  # a damaged file (an interrupted copy, a full disk): build it again
+        lib = ctypes.CDLL(str(path))
+        declare(lib)
+        return lib
+    except (OSError, AttributeError):  # a stamped file that still does not load: build again
+        if lib is not None:  # else the loader would hand back the same library for this path
+            _ctypes.dlclose(lib._handle)
         path.unlink(missing_ok=True)
         _compile(compiler, path, source, target)
-        return ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path))
+        declare(lib)
+        return lib
 
 
 def source_text(filename: str) -> str:
@@ -204,12 +262,17 @@ def source_text(filename: str) -> str:
     return with_local_headers((Path(__file__).parent / filename).read_text())
 
 
-def build_for(compiler: Compiler, filename: str, target: str) -> ctypes.CDLL:
-    """``filename`` compiled for ``target`` (cached under its key) and loaded."""
+def build_for(
+    compiler: Compiler,
+    filename: str,
+    target: str,
+    declare: Callable[[ctypes.CDLL], None] = lambda lib: None,
+) -> ctypes.CDLL:
+    """``filename`` compiled for ``target`` (cached under its key), loaded and declared."""
     source = LOOPS_SOURCE if filename == "cpu_loops" else source_text(filename)
     stem = "sparse_gemv" if filename == "cpu_loops" else Path(filename).stem
     key = library_key(compiler, source, target)
-    return _open(compiler, cache_dir() / f"{stem}_{key}.so", source, target)
+    return _open(compiler, cache_dir() / f"{stem}_{key}.so", source, target, declare)
 
 
 def _usable_compiler() -> Compiler | None:
@@ -232,7 +295,10 @@ def build_choice() -> Choice | None:
         cache_dir() / f"march_{library_key(compiler, source_text('decode_step.c'), 'auto')}.json"
     )
     return chosen_target(
-        targets, lambda t: build_for(compiler, "decode_step.c", t), saved, torch.get_num_threads()
+        targets,
+        lambda t: build_for(compiler, "decode_step.c", t, declare_probe),
+        saved,
+        torch.get_num_threads(),
     )
 
 
@@ -265,8 +331,7 @@ def load_library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        lib = build_for(compiler, "cpu_loops", choice.target)
-        declare_loops(lib)
+        lib = build_for(compiler, "cpu_loops", choice.target, declare_loops)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
         warnings.warn(
             f"Compiling minisparse's CPU sparse kernels with {compiler.path!r} failed ({err}); "
@@ -295,8 +360,7 @@ def load_source_library(
         return None
     compiler, choice = resolve_compiler(find_compiler() or ""), build_choice()
     try:
-        lib = build_for(compiler, filename, choice.target)
-        declare(lib)
+        lib = build_for(compiler, filename, choice.target, declare)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
         warnings.warn(
             f"Compiling minisparse's {filename} with {compiler.path!r} failed ({err}); the "
