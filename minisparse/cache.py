@@ -7,7 +7,10 @@ weights of a model, its tokenizer, compiled CPU kernels, fine-tuned ReLU models,
 
 Every file is written under a temporary name in the same folder and renamed into place
 (``os.replace`` is atomic on one file system), so an interrupted write, or two processes
-writing at once, never leave half a file under the final name.
+writing at once, never leave half a file under the final name. A write that fails (a full
+disk, a file-size limit) raises ``OSError`` whatever library did the writing, and removes its
+temporary; a process killed while writing leaves one, which ``sweep_temporaries`` removes
+the next time a cache folder is built under its lock. Every temporary name ends in ``.tmp``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-__all__ = ["atomic_write_text", "cache_dir", "save_tensors_atomic", "write_dir_atomic"]
+__all__ = [
+    "atomic_write_text",
+    "cache_dir",
+    "save_tensors_atomic",
+    "sweep_temporaries",
+    "write_dir_atomic",
+]
 
 
 def cache_dir() -> Path:
@@ -41,7 +51,10 @@ def save_tensors_atomic(
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as err:  # safetensors reports a full disk in its own type
+            raise OSError(f"could not write {path.name}: {err}") from err
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -66,10 +79,30 @@ def write_dir_atomic(directory: Path, write: Callable[[Path], None]) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, suffix=".tmp"))
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except SafetensorError as err:
+            raise OSError(f"could not write {directory.name}: {err}") from err
         if directory.exists():
             shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def sweep_temporaries(folder: Path) -> list[Path]:
+    """Remove what killed writers left in ``folder``: entries named ``*.tmp`` (ours) or
+    ``.tmp*`` (other libraries' temporaries). Call it only while holding the folder's build
+    lock, when no other writer can be at work there. Returns what was removed."""
+    removed = []
+    for entry in [*folder.glob("*.tmp"), *folder.glob(".tmp*")]:
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError:
+            continue
+        removed.append(entry)
+    return removed

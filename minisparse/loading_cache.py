@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_model
 
-from .cache import save_tensors_atomic, write_dir_atomic
+from .cache import save_tensors_atomic, sweep_temporaries, write_dir_atomic
 from .loading_sources import TOKENIZER_ERRORS
 from .model import ModelConfig, Transformer
 
@@ -114,13 +114,15 @@ def fingerprint(path: Path, header_bytes: int = 2**20) -> str:
 
 
 @contextlib.contextmanager
-def build_lock(directory: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``directory/.lock`` while the cache is built.
+def build_lock(directory: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on ``directory/.lock`` while the cache is built; yields whether
+    the lock is held.
 
     Two processes that load a model for the first time at once: the second waits, then finds
-    the cache the first one wrote instead of building it again. Where no lock can be taken
-    (no POSIX ``flock``, an unwritable folder) it goes on without one: the atomic renames
-    alone keep every cache file whole.
+    the cache the first one wrote instead of building it again. Holding the lock, the builder
+    also removes the temporaries a killed build left (``sweep_temporaries``). Where no lock
+    can be taken (no POSIX ``flock``, an unwritable folder) it goes on without one: the atomic
+    renames alone keep every cache file whole.
     """
     try:
         import fcntl
@@ -128,12 +130,13 @@ def build_lock(directory: Path) -> Iterator[None]:
         directory.mkdir(parents=True, exist_ok=True)
         handle = open(directory / ".lock", "a")  # closed by the with below
     except (ImportError, OSError):
-        yield
+        yield False
         return
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            sweep_temporaries(directory)
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -142,7 +145,7 @@ def write_or_warn(what: str, write: Callable[[], None]) -> bool:
     """Write one cache entry; a folder that cannot be written costs a warning, not the load."""
     try:
         write()
-    except OSError as err:
+    except (OSError, SafetensorError) as err:  # a read-only folder, a full disk
         warnings.warn(
             f"Could not write {what} to minisparse's cache ({err}); the model is loaded, but the "
             "next load will rebuild it. Set MINISPARSE_CACHE to a writable folder.",
