@@ -36,6 +36,7 @@ __all__ = [
     "ModelLoadError",
     "check_architecture",
     "check_gguf",
+    "check_loaded_weights",
     "dependency_error",
     "embedded_gguf_path",
     "hf_from_gguf",
@@ -131,6 +132,32 @@ def check_gguf(path: Path) -> None:
         ) from err
 
 
+def check_loaded_weights(hf: torch.nn.Module, info: dict[str, Any], source: str) -> None:
+    """Refuse a checkpoint that transformers filled in: weights missing from the file (it
+    initialises them at random), weights the model has no place for, weights of the wrong
+    shape, and any NaN or infinite value. One error names the first tensors at fault."""
+    problems = {
+        "missing from the checkpoint (transformers would fill them with random values)": sorted(
+            info.get("missing_keys") or ()
+        ),
+        "in the checkpoint but not in the model its config describes": sorted(
+            info.get("unexpected_keys") or ()
+        ),
+        "of the wrong shape": sorted(str(k) for k in info.get("mismatched_keys") or ()),
+        "holding NaN or infinite values": [
+            name for name, p in hf.named_parameters() if not torch.isfinite(p).all()
+        ],
+    }
+    for what, names in problems.items():
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ModelLoadError(
+                f"{source}: weights {what}: {shown}. The checkpoint does not match its config "
+                "or was damaged; export or download it again (and check config.json's "
+                "num_hidden_layers and sizes)."
+            )
+
+
 def hf_from_gguf(path: Path) -> tuple[torch.nn.Module, Any]:
     """Read a GGUF file with transformers (dequantizes to float32)."""
     check_gguf(path)
@@ -139,11 +166,16 @@ def hf_from_gguf(path: Path) -> tuple[torch.nn.Module, Any]:
 
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         check_architecture(config, str(path))
-        hf = AutoModelForCausalLM.from_pretrained(  # config given: the file is not read again
-            path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+        hf, info = AutoModelForCausalLM.from_pretrained(  # config given: not read again
+            path.parent,
+            gguf_file=path.name,
+            config=config,
+            dtype=torch.float32,
+            output_loading_info=True,
         )
     except ImportError as err:
         raise dependency_error(err, f"Reading {path.name} with transformers") from err
+    check_loaded_weights(hf, info, str(path))
     return hf, tokenizer_from_gguf(path)
 
 
@@ -172,12 +204,15 @@ def hf_from_pretrained(name_or_path: str) -> tuple[torch.nn.Module, Any]:
             ) from err
         check_architecture(config, name_or_path)
         try:
-            hf = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+            hf, info = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=torch.float32, output_loading_info=True
+            )
         except SafetensorError as err:
             raise ModelLoadError(
                 f"The weights of {name_or_path!r} cannot be read ({err}): the safetensors file "
                 "is corrupt or truncated; save or download the checkpoint again."
             ) from err
+        check_loaded_weights(hf, info, name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         except TOKENIZER_ERRORS as err:

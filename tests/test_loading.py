@@ -271,3 +271,44 @@ def test_truncated_safetensors_in_a_directory(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="corrupt or truncated"):
         load(str(tmp_path))
+
+
+def _damage(folder, how):
+    """Damage a saved checkpoint in one of the ways transformers would load silently."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    if how == "missing":
+        state.pop(next(k for k in state if "q_proj" in k))
+    elif how == "extra layers in config":
+        config = json.loads((folder / "config.json").read_text())
+        config["num_hidden_layers"] += 1
+        (folder / "config.json").write_text(json.dumps(config))
+    elif how == "unexpected":
+        state["model.layers.0.mlp.extra.weight"] = torch.ones(2, 2)
+    elif how == "nan":
+        key = next(k for k in state if "down_proj" in k)
+        state[key][0, 0] = float("nan")
+    save_file(state, weights, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("how", ["missing", "extra layers in config", "unexpected", "nan"])
+def test_a_checkpoint_that_transformers_would_fill_in_is_refused(tmp_path, how):
+    """Missing, unexpected or non-finite weights: one error naming the tensor, never a model
+    with random weights."""
+    save_tiny_hf(tmp_path, seed=35)
+    _, tokenizer = minisparse.load()  # a checkpoint directory holds a tokenizer: borrow one
+    tokenizer.save_pretrained(tmp_path)
+    minisparse.load(str(tmp_path))  # the intact checkpoint loads
+    _damage(tmp_path, how)
+    expected = {
+        "missing": "missing from the checkpoint.*q_proj",
+        "extra layers in config": "missing from the checkpoint.*layers",
+        "unexpected": "not in the model.*mlp.extra",
+        "nan": "NaN or infinite.*down_proj",
+    }[how]
+    with pytest.raises(ModelLoadError, match=expected):
+        minisparse.load(str(tmp_path))
