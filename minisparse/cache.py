@@ -31,6 +31,7 @@ __all__ = [
     "save_tensors_atomic",
     "sweep_temporaries",
     "write_dir_atomic",
+    "write_file_atomic",
 ]
 
 
@@ -75,20 +76,46 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_dir_atomic(directory: Path, write: Callable[[Path], None]) -> None:
-    """Fill a temporary folder with ``write(folder)``, then rename it to ``directory``."""
+    """Fill a temporary folder with ``write(folder)``, then put it in ``directory``'s place.
+
+    A folder already there is first renamed aside and removed only once the new one is in
+    place: a failure while writing leaves it untouched, and a crash between the two renames
+    leaves it whole beside its place, in a ``*.tmp`` folder.
+    """
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, suffix=".tmp"))
+    old = None
     try:
         try:
             write(tmp)
         except SafetensorError as err:
             raise OSError(f"could not write {directory.name}: {err}") from err
         if directory.exists():
-            shutil.rmtree(directory, ignore_errors=True)
+            old = Path(tempfile.mkdtemp(dir=directory.parent, suffix=".tmp"))
+            os.replace(directory, old / directory.name)
         os.replace(tmp, directory)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def write_file_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` writes a file at the temporary path it is given, which is then renamed
+    to ``path``: an interrupted or failed write leaves the file that was there, untouched."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        try:
+            write(Path(tmp))
+        except SafetensorError as err:
+            raise OSError(f"could not write {path.name}: {err}") from err
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def sweep_temporaries(folder: Path) -> list[Path]:

@@ -43,6 +43,7 @@ __all__ = [
     "add_arguments",
     "add_tensor",
     "check_arguments",
+    "check_export_folder",
     "check_gguf_exportable",
     "check_plain_mlps",
     "copy_tokenizer",
@@ -86,15 +87,47 @@ def check_plain_mlps(model: Transformer) -> None:
             )
 
 
-def export_hf(model: Transformer, directory: str | Path, tokenizer: Any = None) -> Path:
-    """Write ``model`` (and ``tokenizer``) as a transformers Llama checkpoint in ``directory``."""
+def check_export_folder(directory: Path) -> None:
+    """An HF export replaces its folder whole: refuse one that holds anything but an export."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file; give a folder name for --format hf.")
+    if directory.is_dir() and any(directory.iterdir()):
+        if not (directory / "config.json").is_file():
+            raise ValueError(
+                f"{directory} is not empty and holds no earlier export (no config.json); an HF "
+                "export replaces its folder whole, so choose a new or empty folder."
+            )
+
+
+def export_hf(
+    model: Transformer,
+    directory: str | Path,
+    tokenizer: Any = None,
+    sidecars: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` (and ``tokenizer``, and ``save_sidecars``' ``predictors`` / ``placement``
+    given in ``sidecars``) as a transformers Llama checkpoint in ``directory``.
+
+    The checkpoint is written in a temporary folder and put in place at the end
+    (``cache.write_dir_atomic``): an interrupted export leaves the folder that was there, and
+    a new one holds no stale file of an earlier export. A non-empty folder that is not an
+    earlier export is refused (``check_export_folder``).
+    """
+    from .cache import write_dir_atomic
+
     check_plain_mlps(model)
     check_exportable(model)
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    to_hf(model).save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    check_export_folder(out)
+
+    def write(folder: Path) -> None:
+        to_hf(model).save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        if sidecars:
+            save_sidecars(folder, **sidecars)
+
+    write_dir_atomic(out, write)
     return out
 
 
@@ -160,14 +193,25 @@ def export_gguf(
     """Write ``model`` as a llama.cpp GGUF file (see the module docstring).
 
     ``tokenizer_gguf``: a GGUF file whose tokenizer (``tokenizer.*`` keys) is copied, e.g. the
-    one the model was loaded from; without it the file holds no tokenizer.
+    one the model was loaded from; without it the file holds no tokenizer. The file is written
+    under a temporary name and renamed at the end: an interrupted export leaves the file that
+    was there.
     """
-    import gguf
+    from .cache import write_file_atomic
 
     check_gguf_exportable(model, dtype)
-    c = model.config
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(out, lambda tmp: write_gguf(model, tmp, dtype, tokenizer_gguf, name))
+    return out
+
+
+def write_gguf(
+    model: Transformer, out: Path, dtype: str, tokenizer_gguf: str | Path | None, name: str
+) -> None:
+    """The GGUF file's contents, written at ``out`` (``export_gguf`` gives a temporary path)."""
+    import gguf
+
+    c = model.config
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name(name)
     writer.add_context_length(c.max_seq_len)
@@ -197,7 +241,6 @@ def export_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
 
 
 def add_tensor(writer: Any, name: str, array: np.ndarray, dtype: str) -> None:
@@ -245,16 +288,22 @@ def load_placement(path: str | Path) -> Any:
 
 
 def save_sidecars(
-    directory: str | Path, predictors: Any = None, placement: Any = None
+    directory: str | Path, predictors: Any = None, placement: Any = None, prefix: str = ""
 ) -> list[Path]:
-    """Predictors and a placement beside an exported model (see the module docstring)."""
+    """Predictors and a placement beside an exported model (see the module docstring), as
+    ``{prefix}predictors.safetensors`` and ``{prefix}placement.safetensors``, each written
+    atomically. Beside a GGUF file the prefix is the file's stem and a dot, so that two
+    exports in one folder keep their own."""
+    from .cache import write_file_atomic
+
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     written = []
-    if predictors is not None:
-        written.append(predictors.save(out / "predictors.safetensors"))
+    if predictors is not None:  # Predictors.save writes atomically itself
+        written.append(predictors.save(out / f"{prefix}predictors.safetensors"))
     if placement is not None:
-        written.append(save_placement(placement, out / "placement.safetensors"))
+        path = out / f"{prefix}placement.safetensors"
+        write_file_atomic(path, lambda tmp: save_placement(placement, tmp))
+        written.append(path)
     return written
 
 
@@ -289,6 +338,14 @@ def check_arguments(args: Any) -> None:
             raise ValueError(
                 "llama.cpp's Llama graph has SiLU MLPs only: export --relu with --format hf."
             )
+    from .cli import check_output_path
+
+    out = Path(args.out).expanduser()
+    if args.format == "hf":  # written as a folder beside OUT, then renamed: OUT's parent counts
+        check_export_folder(out)
+        check_output_path(out.parent / f"{out.name}.tmp", "OUT")
+    else:
+        check_output_path(out, "OUT")
     if args.predictors is not None and not Path(args.predictors).is_file():
         raise FileNotFoundError(
             f"No predictors file at {args.predictors}; train them with `minisparse predictors`."
@@ -304,18 +361,18 @@ def run(args: Any) -> int:
         from .relufy import load_relufied
 
         model, _ = load_relufied(model, 1)
+    sidecars = {}
+    if args.predictors is not None:  # read (and checked against the model) before any write
+        from .predictors import Predictors
+
+        sidecars["predictors"] = Predictors.load(args.predictors, model)
     if args.format == "hf":
-        out = export_hf(model, args.out, tokenizer)
-        sidecar_dir = out
+        out = export_hf(model, args.out, tokenizer, sidecars)
     else:
         source = embedded_gguf_path() if args.model == "smollm2-135m" else None
         source = Path(args.model) if args.model.endswith(".gguf") else source
         out = export_gguf(model, args.out, args.dtype, tokenizer_gguf=source)
-        sidecar_dir = out.parent
-    if args.predictors is not None:
-        from .predictors import Predictors
-
-        save_sidecars(sidecar_dir, predictors=Predictors.load(args.predictors, model))
+        save_sidecars(out.parent, **sidecars, prefix=f"{out.stem}.")
     size = sum(p.stat().st_size for p in ([out] if out.is_file() else out.iterdir()))
     print(f"wrote {out} ({size / 1e6:.0f} MB)")
     return 0

@@ -155,14 +155,67 @@ def test_a_placement_round_trips_through_its_file(tmp_path):
         (["export", "out_dir", "--format", "gguf"], "ending in .gguf"),
         (["export", "m.gguf", "--format", "gguf", "--relu"], "SiLU MLPs only"),
         (["export", "d", "--predictors", "missing.safetensors"], "No predictors file"),
+        (["export", "busy"], "holds no earlier export"),
+        (["export", "busy/file.txt"], "is a file"),
+        (["export", "busy/file.txt/m.gguf", "--format", "gguf"], "cannot write"),
     ],
 )
-def test_export_command_checks_its_arguments_before_loading(argv, message, monkeypatch, capsys):
+def test_export_command_checks_its_arguments_before_loading(
+    argv, message, monkeypatch, capsys, tmp_path
+):
     import minisparse.loading
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file.txt").write_text("a user's file")
     monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: pytest.fail("loaded"))
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+    assert (tmp_path / "busy" / "file.txt").read_text() == "a user's file"
+
+
+def test_an_interrupted_gguf_export_leaves_the_good_file(tmp_path, monkeypatch):
+    import gguf
+
+    model, out = tiny_model(seed=3, std=0.1, **SHAPE), tmp_path / "m.gguf"
+    E.export_gguf(model, out, "f32")
+    good = out.read_bytes()
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the tensors are written
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        E.export_gguf(tiny_model(seed=4, std=0.1, **SHAPE), out, "f32")
+    assert out.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # no temporary left
+
+
+def test_an_hf_export_replaces_its_folder_whole_and_survives_an_interruption(tmp_path, monkeypatch):
+    import transformers
+
+    model, out = tiny_model(seed=3, std=0.1, **SHAPE), tmp_path / "export"
+    E.export_hf(model, out)
+    (out / "predictors.safetensors").write_text("stale, from an earlier export")
+    E.export_hf(model, out)
+    assert not (out / "predictors.safetensors").exists()  # the new export alone
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        E.export_hf(tiny_model(seed=4, std=0.1, **SHAPE), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_gguf_sidecars_are_named_after_their_file(tmp_path):
+    hot = [torch.ones(96, dtype=torch.bool) for _ in range(3)]
+    written = E.save_sidecars(tmp_path, placement=Placement(hot, 10, 1.0, "ilp", 1), prefix="m.")
+    assert [p.name for p in written] == ["m.placement.safetensors"]
+    assert E.load_placement(written[0]).policy == "ilp"
 
 
 def test_a_gguf_file_is_its_own_reference_for_the_benchmarks(monkeypatch):
