@@ -7,7 +7,8 @@ message wherever they are passed:
 
 * a count is a whole number n >= minimum (``check_count``),
 * a scale is a finite number x > 0 (``check_positive``),
-* a fraction is a number 0 <= x <= 1 (``check_fraction``).
+* a fraction is a number 0 <= x <= 1 (``check_fraction``),
+* an output path is a file that can be written (``check_output_path``).
 
 A bool is never a number here, although Python counts ``True`` as 1.
 """
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import math
 import operator
+import os
+from pathlib import Path
 
 __all__ = [
     "check_count",
     "check_fraction",
+    "check_output_path",
     "check_positive",
 ]
 
@@ -57,3 +61,16 @@ def check_fraction(value: float, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
     return float(value)
+
+
+def check_output_path(path: str | Path, option: str) -> Path:
+    """A file we will write: not a directory, in a folder that exists or can be made, writable."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise ValueError(f"{option} {out} is a directory; give a file name, e.g. {out / 'x'}.")
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"{option} {out}: cannot write in {folder}; choose another place.")
+    return out

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from . import export, offload_report, prepare
+from .checks import check_output_path
 from .generate import check_messages, check_sampling, check_seed
 from .loading import ModelLoadError, resolve_device
 from .model import check_count
@@ -60,19 +60,6 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"cache:  {cache_dir()}\nCPU build: {describe_build()}"
     )
     return 0
-
-
-def check_output_path(path: str | Path, option: str) -> Path:
-    """A file we will write: not a directory, in a folder that exists or can be made, writable."""
-    out = Path(path).expanduser()
-    if out.is_dir():
-        raise ValueError(f"{option} {out} is a directory; give a file name, e.g. {out / 'x'}.")
-    folder = out.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise ValueError(f"{option} {out}: cannot write in {folder}; choose another place.")
-    return out
 
 
 def check_generate_arguments(args: argparse.Namespace) -> None:

@@ -338,7 +338,7 @@ def check_arguments(args: Any) -> None:
             raise ValueError(
                 "llama.cpp's Llama graph has SiLU MLPs only: export --relu with --format hf."
             )
-    from .cli import check_output_path
+    from .checks import check_output_path
 
     out = Path(args.out).expanduser()
     if args.format == "hf":  # written as a folder beside OUT, then renamed: OUT's parent counts
