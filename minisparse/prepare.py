@@ -12,7 +12,8 @@ which one ran):
 ``prepare`` lists each artifact with its state and an estimate of its time, then makes the
 missing ones in order, with a progress bar over the steps (each step shows its own bar). It is
 safe to interrupt: the ReLU fine-tune resumes from its checkpoint, and a finished artifact is
-never made twice.
+never made twice. An artifact counts as done only when its file reads back (a damaged file is
+listed as such and made again).
 """
 
 from __future__ import annotations
@@ -37,13 +38,25 @@ class Artifact:
     """One long result: where it lands, the command that makes it, what uses it."""
 
     name: str
-    path: Callable[[], Path]  # the file whose presence means "done"
+    path: Callable[[], Path]  # the file that holds it
     argv: tuple[str, ...]  # arguments of ``minisparse`` that make it
     minutes: float  # measured on 2 cores of a 2024 server CPU (AMD EPYC, AVX-512)
     used_by: str
+    check: Callable[[Path], object]  # reads the file; raises ValueError when it is damaged
+
+    def problem(self) -> str | None:
+        """Why the artifact is not usable ("missing", or the damage found), or None."""
+        path = self.path()
+        if not path.exists():
+            return "missing"
+        try:
+            self.check(path)
+        except ValueError as err:
+            return f"damaged ({err})"
+        return None
 
     def done(self) -> bool:
-        return self.path().exists()
+        return self.problem() is None
 
     def command(self) -> str:
         return "minisparse " + " ".join(self.argv)
@@ -59,6 +72,18 @@ def _relu_predictors() -> Path:
     return cache_dir() / "predictors" / "smollm2-135m-relu-lowrank.safetensors"
 
 
+def _read_relu_model(path: Path) -> object:
+    from .relufy import read_relufied
+
+    return read_relufied(path)
+
+
+def _read_predictors(path: Path) -> object:
+    from .predictors_set import read_predictors_file
+
+    return read_predictors_file(path)
+
+
 ARTIFACTS = (
     Artifact(
         "ReLU model (chapter 04)",
@@ -66,6 +91,7 @@ ARTIFACTS = (
         ("relufy", "--stage", "1", "--steps", "200"),
         31.0,
         "chapters 05, 06, 08, 11",
+        _read_relu_model,
     ),
     Artifact(
         "ReLU model's predictors (chapter 06)",
@@ -73,6 +99,7 @@ ARTIFACTS = (
         ("predictors",),
         3.0,
         "chapter 11, minisparse bench engine",
+        _read_predictors,
     ),
 )
 
@@ -81,7 +108,10 @@ def plan(artifacts: tuple[Artifact, ...] = ARTIFACTS) -> str:
     """A table of the artifacts: done or to make, the time estimate, the command."""
     lines = [f"cache: {cache_dir()}"]
     for a in artifacts:
-        state = "done" if a.done() else f"to make, ~{a.minutes:.0f} min on 2 cores"
+        problem = a.problem()
+        state = (
+            "done" if problem is None else f"{problem}: to make, ~{a.minutes:.0f} min on 2 cores"
+        )
         lines.append(f"- {a.name}: {state}\n    `{a.command()}` (for {a.used_by})")
     missing = [a for a in artifacts if not a.done()]
     total = sum(a.minutes for a in missing)
@@ -105,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     with bar:
         for a in missing:
             bar.set_postfix_str(a.name)
+            a.path().unlink(missing_ok=True)  # a damaged file is made again, not resumed from
             start = time.perf_counter()
             status = subprocess.run([sys.executable, "-m", "minisparse", *a.argv]).returncode
             if status != 0 or not a.done():

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from torch import nn
+from torch import Tensor, nn
 
 from .cache import cache_dir, save_tensors_atomic
 from .data import corpus, encode
@@ -105,6 +105,23 @@ def save_relufied(model: Transformer, path: Path, stage: int, info: dict[str, An
     save_tensors_atomic(tensors, path, {"stage": str(stage), "info": json.dumps(info)})
 
 
+def read_relufied(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The run description and the weights of a saved fine-tuned ReLU model, or one ValueError
+    that says the file is damaged and how to make it again."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "delete it and make it again with `minisparse relufy` (or `minisparse prepare`)"
+    try:
+        with safe_open(str(path), "pt") as f:
+            info = json.loads((f.metadata() or {})["info"])
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, KeyError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable fine-tuned model ({err!r}); {fix}.") from err
+    if not isinstance(info, dict) or not tensors:
+        raise ValueError(f"{path} holds no fine-tuned model; {fix}.")
+    return info, tensors
+
+
 def load_relufied(
     base: Transformer, stage: int = 1, trainable: str = "mlp", root: Path | None = None
 ) -> tuple[Transformer, dict[str, Any]]:
@@ -115,12 +132,9 @@ def load_relufied(
             f"No fine-tuned stage-{stage} model ({trainable}) in {path.parent}; make one with "
             f"`minisparse relufy --stage {stage} --trainable {trainable} --steps 300`."
         )
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        info = json.loads(f.metadata()["info"])
+    info, tensors = read_relufied(path)
     model = relufy(base, stage)
-    missing = model.load_state_dict(load_file(str(path)), strict=False).unexpected_keys
+    missing = model.load_state_dict(tensors, strict=False).unexpected_keys
     if missing:
         raise ValueError(f"{path} holds weights this model does not have: {missing[:3]}...")
     return model, info
