@@ -18,6 +18,7 @@ check that every solution passes and that a wrong answer fails.
 from __future__ import annotations
 
 import math
+import operator
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .checks import check_count
+from .exercise_run import TIME_LIMIT, describe, run_learner, short
 from .exercise_sets_early import CASES as EARLY
 from .exercise_sets_late import CASES as LATE
 
-__all__ = ["EXERCISES", "Exercise", "check"]
+__all__ = ["EXERCISES", "TIME_LIMIT", "Exercise", "check"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,16 @@ def loose(a: Any, b: Any) -> bool:
 def equal(a: Any, b: Any) -> bool:
     a, b = torch.as_tensor(a), torch.as_tensor(b)
     return a.shape == b.shape and bool((a == b).all())
+
+
+def exact(a: Any, b: Any) -> bool:
+    """Whole numbers, equal: a count of bytes is an int, not 0.9 of one or the string "42"."""
+    if isinstance(a, bool) or isinstance(a, str):
+        return False
+    try:
+        return operator.index(a) == operator.index(b)
+    except TypeError:
+        return isinstance(a, float) and a.is_integer() and int(a) == operator.index(b)
 
 
 def near(a: Any, b: Any) -> bool:
@@ -134,7 +147,7 @@ EXERCISES: dict[str, Exercise] = dict(
         _exercise(
             "kv_bytes", "02",
             "kv_bytes(layers, kv_heads, head_dim, seq, batch) -> bytes of an fp16 KV cache",
-            lambda a, b: int(a) == int(b),
+            exact,
             "keys AND values (x 2), 2 bytes each in fp16, and only the K/V heads (GQA), not all "
             "heads",
         ),
@@ -311,7 +324,7 @@ EXERCISES: dict[str, Exercise] = dict(
             "resident_bytes", "11",
             "resident_bytes(model: nn.Module) -> bytes of all its parameters and buffers, each "
             "tensor counted once",
-            lambda a, b: int(a) == int(b),
+            exact,
             "numel * element_size of every parameter AND buffer (int8 codes, scales, "
             "non-persistent ones), and a tied weight (embedding = LM head) once",
         ),
@@ -320,30 +333,27 @@ EXERCISES: dict[str, Exercise] = dict(
 
 
 def check(name: str, fn: Callable[..., Any], trials: int = 3, seed: int | None = None) -> bool:
-    """Compare ``fn`` with the library's version of exercise ``name``; print the verdict."""
+    """Compare ``fn`` with the library's version of exercise ``name``; print the verdict.
+
+    ``fn`` runs on copies of fresh random inputs, at most ``TIME_LIMIT`` seconds a call; an
+    error it raises, a ``None`` it returns (an unfinished stub) or an input it changes in place
+    fails the check with a message saying so.
+    """
     if name not in EXERCISES:
         raise ValueError(f"Unknown exercise {name!r}; choose one of {', '.join(EXERCISES)}.")
+    check_count(trials, "trials", fix="each trial checks the function on fresh random inputs")
     ex = EXERCISES[name]
     gen = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
     for _ in range(trials):
         for args in ex.cases(gen):
             expected = ex.reference(*args)
-            got = fn(*[a.clone() if isinstance(a, Tensor) else a for a in args])
+            ran, got = run_learner(name, fn, args)
+            if not ran:
+                return False
             ok = ex.accepts(args, got, expected) if ex.accepts else ex.same(got, expected)
             if not ok:
-                print(f"{name}: mismatch on inputs {_describe(args)}")
-                print(f"  expected {_short(expected)}\n  got      {_short(got)}\n  hint: {ex.hint}")
+                print(f"{name}: mismatch on inputs {describe(args)}")
+                print(f"  expected {short(expected)}\n  got      {short(got)}\n  hint: {ex.hint}")
                 return False
     print(f"{name}: correct on {trials} rounds of fresh random inputs (chapter {ex.chapter})")
     return True
-
-
-def _describe(args: tuple[Any, ...]) -> str:
-    parts = [f"tensor{tuple(a.shape)}" if isinstance(a, Tensor) else repr(a)[:40] for a in args]
-    return "(" + ", ".join(parts) + ")"
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"tensor{tuple(value.shape)} {value.flatten()[:4].tolist()}..."
-    return repr(value)[:120]

@@ -169,3 +169,50 @@ def test_a_wrong_answer_fails_with_a_hint(name, capsys):
 def test_an_unknown_exercise_is_refused():
     with pytest.raises(ValueError, match="Unknown exercise 'softmax'; choose one of rms_norm"):
         check("softmax", lambda x: x)
+
+
+def _rms_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _kv_bytes(layers, kv_heads, head_dim, seq, batch):
+    return 2 * 2 * layers * kv_heads * head_dim * seq * batch
+
+
+def _slow(*args):
+    import time
+
+    time.sleep(5)
+
+
+def _mutating_rms_norm(x, w, eps):
+    x.mul_(torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # right values, input changed
+    return x * w
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "message"),
+    [
+        ("kv_bytes", lambda *a: _kv_bytes(*a) + 0.9, "mismatch"),  # int() would have passed it
+        ("kv_bytes", lambda *a: str(_kv_bytes(*a)), "mismatch"),
+        ("rms_norm", lambda x, w, eps: None, "returned None; write its body"),
+        ("rms_norm", lambda x, w, eps: 1 / 0, "raised ZeroDivisionError: division by zero"),
+        ("rms_norm", _mutating_rms_norm, "changed its input #1 (tensor"),
+        ("rms_norm", _slow, "did not return within 0 s"),
+    ],
+)
+def test_the_checker_is_not_fooled_and_says_why_in_the_learners_terms(
+    name, fn, message, capsys, monkeypatch
+):
+    import minisparse.exercise_run as R
+
+    monkeypatch.setattr(R, "TIME_LIMIT", 0.2)
+    assert not check(name, fn, seed=0)
+    assert message in capsys.readouterr().out
+    assert check("kv_bytes", _kv_bytes, seed=0) and check("rms_norm", _rms_norm, seed=0)
+
+
+@pytest.mark.parametrize("trials", [0, -1, True, 1.5])
+def test_trials_must_be_a_positive_count(trials):
+    with pytest.raises(ValueError, match="trials must be at least 1"):
+        check("kv_bytes", _kv_bytes, trials=trials)
