@@ -38,7 +38,7 @@ from typing import Any
 from torch import Tensor
 
 from .generate import generate
-from .model import Transformer
+from .model import Transformer, check_count
 from .offload import Placement
 
 __all__ = ["DRAFTS", "SPARSITY", "WEIGHTS", "Engine", "EngineConfig", "build", "step_bytes"]
@@ -70,8 +70,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         if not 0.0 <= self.cats_sparsity < 1.0:
             raise ValueError(f"cats_sparsity must be in [0, 1), got {self.cats_sparsity}.")
-        if not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"gamma must be a whole number >= 1, got {self.gamma!r}.")
+        check_count(self.gamma, "gamma", fix="the number of tokens a draft proposes per pass")
+        if not isinstance(self.sparse_kernels, bool):
+            raise ValueError(f"sparse_kernels is True or False, got {self.sparse_kernels!r}.")
         sparse = self.sparsity != "none"
         if self.offload_budget is not None and not 0 < self.offload_budget <= 1:
             raise ValueError(f"offload_budget is a share in (0, 1], got {self.offload_budget}.")
@@ -93,6 +94,12 @@ class EngineConfig:
             raise ValueError(
                 "The hot/cold split (offload_budget) places float32 neurons: it does not combine "
                 f"with weights={self.weights!r}. Choose weights='fp32' or offload_budget=None."
+            )
+        if self.draft in ("int8", "sparse") and self.weights == "int4":
+            raise ValueError(
+                f"A {self.draft} draft is made from the model's float32 weights, which "
+                "weights='int4' replaces: use draft='prompt-lookup' with int4 weights, or "
+                "weights='fp32' / 'int8'."
             )
         if self.draft == "int8" and self.weights == "int8":
             raise ValueError("An int8 draft of an int8 model is the model itself; pick another.")

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import Tensor, nn
@@ -288,6 +289,14 @@ def read_predictors_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]
     if missing:
         raise ValueError(f"{path} lacks {missing} in its predictors description; {hint}.")
     meta.setdefault("history", [])
+    types = {"lookahead": bool, "head_keep": int, "made_for": (dict, type(None))}
+    for key, kind in types.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(
+                f"{path} has {key}={value!r} in its predictors description, which is not a "
+                f"{'true/false' if kind is bool else 'valid'} value; {hint}."
+            )
     if meta["kind"] not in KINDS:
         raise ValueError(f"{path} holds predictors of unknown kind {meta['kind']!r}; {hint}.")
     return meta, tensors
@@ -340,5 +349,11 @@ def load_part(path: Path, modules: nn.ModuleList, tensors: dict[str, Tensor], pr
         raise ValueError(
             f"{path} does not match its own description or this model at {prefix}{wrong[0]}; "
             "the file is damaged or was made for another model: train predictors again."
+        )
+    bad = [k for k, v in part.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:  # NaN scores compare False with every cutoff: no neuron would ever be chosen
+        raise ValueError(
+            f"{path} holds NaN or infinite values in {prefix}{bad[0]}; the predictors are "
+            "damaged (or their training diverged): train them again."
         )
     modules.load_state_dict(part)

@@ -157,6 +157,10 @@ def test_int4_weights_shrink_the_resident_bytes():
         ),
         ({"weights": "int8", "draft": "int8"}, "is the model itself"),
         ({"sparsity": "cats", "draft": "sparse"}, "is the model itself"),
+        ({"gamma": True}, "gamma must be"),
+        ({"sparsity": "cats", "sparse_kernels": "no"}, "sparse_kernels is True or False"),
+        ({"weights": "int4", "draft": "int8"}, "made from the model's float32 weights"),
+        ({"weights": "int4", "draft": "sparse"}, "made from the model's float32 weights"),
     ],
 )
 def test_invalid_combinations_get_one_clear_error(config, message):

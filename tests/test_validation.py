@@ -265,6 +265,24 @@ def same_file(path: Path, tmp: Path) -> Path:
     return path
 
 
+def lookahead_as_text(path: Path, tmp: Path) -> Path:
+    return rewrite(path, tmp / "ahead.safetensors", lambda m: m.update(lookahead="false"))
+
+
+def made_for_as_text(path: Path, tmp: Path) -> Path:
+    return rewrite(path, tmp / "made.safetensors", lambda m: m.update(made_for="relu"))
+
+
+def nan_weights(path: Path, tmp: Path) -> Path:
+    tensors = load_file(str(path))
+    first = next(k for k in tensors if k.startswith("neurons.") and tensors[k].dim() == 2)
+    tensors[first][0, 0] = float("nan")
+    out = tmp / "nan.safetensors"
+    with safe_open(str(path), "pt") as f:
+        save_file(tensors, str(out), f.metadata())
+    return out
+
+
 #: (what, make the file from a good one, the model to load it for, message regex)
 PREDICTOR_FILE_CASES: list[tuple[str, Callable[[Path, Path], Path], Callable[[], object], str]] = [
     ("another model of the same shape", same_file, lambda: relu_model(1), "another model"),
@@ -274,6 +292,9 @@ PREDICTOR_FILE_CASES: list[tuple[str, Callable[[Path, Path], Path], Callable[[],
     ("tensors that do not fit", wrong_ranks, relu_model, "does not match its own description"),
     ("a description without keys", missing_kind, relu_model, r"lacks \['kind'\]"),
     ("a damaged description", damaged_description, relu_model, "damaged predictors description"),
+    ("lookahead as text", lookahead_as_text, relu_model, "lookahead='false'.*true/false"),
+    ("made_for as text", made_for_as_text, relu_model, "made_for='relu'"),
+    ("NaN weights", nan_weights, relu_model, "NaN or infinite values in neurons"),
 ]
 
 
