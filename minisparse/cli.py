@@ -36,7 +36,15 @@ from .model import check_count
 from .sparsity import check_sparsity
 
 #: Errors that mean "the user asked for something that cannot work"; the message says the fix.
-USER_ERRORS = (ModelLoadError, ValueError, FileNotFoundError)
+USER_ERRORS = (
+    ModelLoadError,
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -366,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if args.debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        hint = "; check the path and its permissions" if isinstance(err, OSError) else ""
+        print(f"error: {err}{hint}", file=sys.stderr)
         return 2
 
 

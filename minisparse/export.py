@@ -325,7 +325,7 @@ def check_arguments(args: Any) -> None:
     if args.format == "hf" and args.dtype is not None:
         raise ValueError("--dtype applies to --format gguf only (hf keeps the model's dtype).")
     if args.format == "gguf":
-        args.dtype = args.dtype or "f32"
+        args.dtype = "f32" if args.dtype is None else args.dtype
         if args.dtype not in GGUF_DTYPES:
             raise ValueError(
                 f"--dtype must be one of {', '.join(GGUF_DTYPES)}, got {args.dtype!r}."

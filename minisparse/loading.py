@@ -64,7 +64,13 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     """CUDA when available and nothing was asked for; an error when CUDA is asked for but absent."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ModelLoadError(
+            f"device={device!r} is not a device torch knows ({err}); use 'cpu', 'cuda' or "
+            "'cuda:N' (or None to pick automatically)."
+        ) from err
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(
             f"device={str(device)!r} was requested but this torch build sees no CUDA GPU; "

@@ -164,7 +164,13 @@ def hf_from_gguf(path: Path) -> tuple[torch.nn.Module, Any]:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        try:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except ValueError as err:  # e.g. an architecture transformers cannot read from GGUF
+            raise ModelLoadError(
+                f"transformers cannot read {path.name} ({err}); minisparse loads Llama-family "
+                f"GGUF files ({', '.join(SUPPORTED_ARCHITECTURES)})."
+            ) from err
         check_architecture(config, str(path))
         hf, info = AutoModelForCausalLM.from_pretrained(  # config given: not read again
             path.parent,
@@ -211,6 +217,11 @@ def hf_from_pretrained(name_or_path: str) -> tuple[torch.nn.Module, Any]:
             raise ModelLoadError(
                 f"The weights of {name_or_path!r} cannot be read ({err}): the safetensors file "
                 "is corrupt or truncated; save or download the checkpoint again."
+            ) from err
+        except RuntimeError as err:  # e.g. a tensor whose shape the config does not give
+            raise ModelLoadError(
+                f"The weights of {name_or_path!r} do not fit the model its config describes "
+                f"({str(err).splitlines()[0]}...); export or download the checkpoint again."
             ) from err
         check_loaded_weights(hf, info, name_or_path)
         try:

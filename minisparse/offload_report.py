@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -132,6 +133,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as None: JSON has no NaN or Infinity, and
+    a strict reader refuses them (a policy that does not apply has NaN speed)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     if not 0 < args.budget <= 1:
         raise ValueError(f"--budget is a share of the FFN bytes in (0, 1], got {args.budget}.")
@@ -155,6 +168,14 @@ def run(args: argparse.Namespace) -> int:
             f"--min-per-layer {args.min_per_layer} is more than a layer's "
             f"{base.config.ffn_dim} neurons."
         )
+    shape = T.shape_of(base)
+    group_bytes = args.group_size * shape.neuron_bytes
+    if args.budget * shape.layers * shape.ffn * shape.neuron_bytes < group_bytes:
+        raise ValueError(
+            f"--budget {args.budget} of the FFN bytes is less than one group of "
+            f"{args.group_size} neurons ({group_bytes / 1e3:.0f} KB): nothing could be placed; "
+            f"give at least {group_bytes / (shape.layers * shape.ffn * shape.neuron_bytes):.1e}."
+        )
     model, p = profiles(base, tokenizer, args.windows)
     report = offload_report(
         p,
@@ -167,5 +188,5 @@ def run(args: argparse.Namespace) -> int:
         args.group_size,
     )
     report["machine"] = machine().as_dict()
-    print(json.dumps(report) if args.json else format_report(report))
+    print(json.dumps(finite_json(report), allow_nan=False) if args.json else format_report(report))
     return 0

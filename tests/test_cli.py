@@ -273,3 +273,39 @@ def test_a_llama_cpp_crash_is_reported_and_ours_goes_on(tmp_path, monkeypatch, c
     assert out.startswith("llama.cpp: skipped, llama.cpp died with SIGSEGV") and REBUILD_HINT in out
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert decode.llama_cpp_decode(crash, "hi", lambda: [1], 1.0) is None
+
+
+def test_late_or_raw_errors_are_one_line_before_the_work(monkeypatch, capsys, tmp_path):
+    """A bogus device, an empty --dtype, a budget too small to place a group: one line,
+    exit 2, before any model is profiled or written."""
+    import minisparse.offload_report as R
+
+    monkeypatch.setattr(R, "profiles", lambda *a, **k: pytest.fail("profiled"))
+    cases = [
+        (["info", "--device", "bogus"], "is not a device torch knows"),
+        (["export", str(tmp_path / "m.gguf"), "--format", "gguf", "--dtype", ""], "--dtype"),
+        (["offload", "--budget", "1e-9"], "less than one group of 32 neurons"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_permission_errors_are_one_line_with_a_hint(monkeypatch, capsys):
+    def denied(args):
+        raise PermissionError(13, "Permission denied", "/root/out")
+
+    monkeypatch.setattr(minisparse.cli, "cmd_info", denied)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "check the path and its permissions" in err
+
+
+def test_offload_json_has_no_nan():
+    from minisparse.offload_report import finite_json
+
+    report = {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2}}
+    assert json.dumps(finite_json(report), allow_nan=False) == (
+        '{"a": null, "b": [1.0, null], "c": {"d": 2}}'
+    )
