@@ -361,6 +361,18 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     return parser
 
 
+#: Options that name a file a command writes its results to (a bool --json prints instead).
+RESULT_FILE_OPTIONS = ("json", "record")
+
+
+def check_result_files(args: argparse.Namespace) -> None:
+    """A results file that cannot be written is an error before the run, not after it."""
+    for name in RESULT_FILE_OPTIONS:
+        value = getattr(args, name, None)
+        if isinstance(value, (str, Path)):
+            check_output_path(value, f"--{name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; 0 on success, 2 for a user error (one line on stderr).
 
@@ -370,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(with_chapter_benchmarks="bench" in words).parse_args(argv)
     args.argv = words
     try:
+        check_result_files(args)
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
         if args.debug:

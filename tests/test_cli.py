@@ -309,3 +309,16 @@ def test_offload_json_has_no_nan():
     assert json.dumps(finite_json(report), allow_nan=False) == (
         '{"a": null, "b": [1.0, null], "c": {"d": 2}}'
     )
+
+
+@pytest.mark.parametrize("option", ["--json", "--record"])
+def test_a_results_file_that_cannot_be_written_is_refused_before_the_run(
+    option, tmp_path, monkeypatch, capsys
+):
+    import minisparse.loading
+
+    monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: pytest.fail("loaded"))
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    assert main(["bench", "decode", option, str(blocked / "out.json")]) == 2
+    assert f"{option} {blocked / 'out.json'}: cannot write" in capsys.readouterr().err
