@@ -20,7 +20,7 @@ with each layer's recall, precision and predicted sparsity on held-out text.
 ranks, thresholds, lookahead, head_keep, head_ranks, the model shape (layers, widths) and
 ``made_for``, a fingerprint of the model (activation, per layer mean |W_gate|). ``load``
 refuses, with one clear error, a file that is not readable, lacks its description, has the
-wrong shape or, when it records ``made_for``, was trained on another model (mean |W_gate| off
+wrong shape, does not record ``made_for``, or was trained on another model (mean |W_gate| off
 by more than 0.1 %).
 
 References: Liu et al., "Deja Vu: Contextual Sparsity for Efficient LLMs at Inference Time"
@@ -191,9 +191,10 @@ class Predictors:
         """Read predictors saved by ``save`` for ``model``; refuse files made for another model.
 
         The file must be a predictors file (safetensors with its JSON description) whose shape
-        (layers, widths, ranks, tensor shapes) fits ``model``; when it records the model it was
-        trained on (``model_fingerprint``), that must be ``model`` too (same activation, same
-        gate weights to 0.1 %). Anything else is one ValueError saying what to do.
+        (layers, widths, ranks, tensor shapes) fits ``model``, and the model it records it was
+        trained on (``made_for``, a ``model_fingerprint``) must be ``model`` (same activation,
+        same gate weights to 0.1 %); a file that records none is refused. Anything else is one
+        ValueError saying what to do.
         """
         path = Path(path)
         if not path.is_file():
@@ -202,8 +203,14 @@ class Predictors:
         c = model.config
         check_saved_shape(path, meta, model)
         saved_for = meta.get("made_for")
-        if saved_for is not None:
-            check_fingerprint(path, saved_for, model_fingerprint(model))
+        if saved_for is None:  # nothing to check the model against: refuse rather than trust
+            raise ValueError(
+                f"{path} does not record the model its predictors were trained on, so they "
+                "cannot be checked against this one; train them with train_predictors or "
+                "`minisparse predictors` (which record it), or set predictors.made_for = "
+                "model_fingerprint(model) before saving predictors you made yourself."
+            )
+        check_fingerprint(path, saved_for, model_fingerprint(model))
         neurons = nn.ModuleList(Predictor(c.dim, r, c.ffn_dim, meta["kind"]) for r in meta["ranks"])
         heads = None
         if meta["head_ranks"]:

@@ -207,6 +207,9 @@ def test_save_load_round_trip(trained, tmp_path):
         P.Predictors.load(path, other)
     mlps = torch.nn.ModuleList(P.init_random(P.Predictor(40, 4, 70, "mlp"), i) for i in range(3))
     ahead = P.Predictors(mlps, predictors.thresholds, "mlp", lookahead=True)
+    with pytest.raises(ValueError, match="does not record the model"):  # made by hand
+        P.Predictors.load(ahead.save(tmp_path / "ahead.safetensors"), model)
+    ahead.made_for = P.model_fingerprint(model)
     again = P.Predictors.load(ahead.save(tmp_path / "ahead.safetensors"), model)
     assert again.kind == "mlp" and again.lookahead and again.heads is None
     assert all(torch.equal(a(x), b(x)) for a, b in zip(mlps, again.neurons, strict=True))

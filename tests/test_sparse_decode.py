@@ -27,7 +27,7 @@ from minisparse.eval import perplexity
 from minisparse.machine import machine
 from minisparse.model import make_cache
 from minisparse.predictor import Predictor, init_random
-from minisparse.predictors import Predictors
+from minisparse.predictors import Predictors, model_fingerprint
 from minisparse.sparsity import apply_thresholds_
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
@@ -192,6 +192,7 @@ def predictor_model(seed: int = 7):
     for i, p in enumerate(neurons):
         init_random(p, seed + i)
     predictors = Predictors(neurons, [0.0, 0.0], "lowrank")
+    predictors.made_for = model_fingerprint(dense)  # what load checks a saved file against
     return dense, sparse_model(dense, None, predictors.select, kernels=True), predictors
 
 
