@@ -10,7 +10,8 @@ Every file is written under a temporary name in the same folder and renamed into
 writing at once, never leave half a file under the final name. A write that fails (a full
 disk, a file-size limit) raises ``OSError`` whatever library did the writing, and removes its
 temporary; a process killed while writing leaves one, which ``sweep_temporaries`` removes
-the next time a cache folder is built under its lock. Every temporary name ends in ``.tmp``.
+once it is an hour old, the next time a cache folder is built. Every temporary name ends in
+``.tmp``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 __all__ = [
+    "STALE_SECONDS",
     "atomic_write_text",
     "cache_dir",
     "save_tensors_atomic",
@@ -75,12 +78,31 @@ def atomic_write_text(path: Path, text: str) -> None:
             os.remove(tmp)
 
 
-def write_dir_atomic(directory: Path, write: Callable[[Path], None]) -> None:
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _share(path: Path) -> None:
+    """Give a file (0666) or folder (0777, with its contents) the modes the umask allows, as a
+    plain write would: temporaries are created private, an export is not."""
+    mask = _umask()
+    if path.is_dir():
+        for sub in [path, *path.rglob("*")]:
+            os.chmod(sub, (0o777 if sub.is_dir() else 0o666) & ~mask)
+    else:
+        os.chmod(path, 0o666 & ~mask)
+
+
+def write_dir_atomic(directory: Path, write: Callable[[Path], None], shared: bool = False) -> None:
     """Fill a temporary folder with ``write(folder)``, then put it in ``directory``'s place.
 
     A folder already there is first renamed aside and removed only once the new one is in
-    place: a failure while writing leaves it untouched, and a crash between the two renames
-    leaves it whole beside its place, in a ``*.tmp`` folder.
+    place; if that rename fails it is put back. A failure while writing leaves it untouched,
+    and only a crash between the two renames leaves it beside its place, whole, in a ``*.tmp``
+    folder. ``shared``: the result gets the modes the umask allows (an export), not the
+    temporary folder's private ones (the cache).
     """
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, suffix=".tmp"))
@@ -90,10 +112,19 @@ def write_dir_atomic(directory: Path, write: Callable[[Path], None]) -> None:
             write(tmp)
         except SafetensorError as err:
             raise OSError(f"could not write {directory.name}: {err}") from err
+        if shared:
+            _share(tmp)
         if directory.exists():
             old = Path(tempfile.mkdtemp(dir=directory.parent, suffix=".tmp"))
             os.replace(directory, old / directory.name)
-        os.replace(tmp, directory)
+        try:
+            os.replace(tmp, directory)
+        except BaseException:
+            if old is not None and not directory.exists():
+                os.replace(old / directory.name, directory)  # the old folder goes back
+                shutil.rmtree(old, ignore_errors=True)
+                old = None
+            raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -101,9 +132,10 @@ def write_dir_atomic(directory: Path, write: Callable[[Path], None]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def write_file_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def write_file_atomic(path: Path, write: Callable[[Path], None], shared: bool = False) -> None:
     """``write(tmp)`` writes a file at the temporary path it is given, which is then renamed
-    to ``path``: an interrupted or failed write leaves the file that was there, untouched."""
+    to ``path``: an interrupted or failed write leaves the file that was there, untouched.
+    ``shared``: the file gets the modes the umask allows, not the temporary's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -112,19 +144,28 @@ def write_file_atomic(path: Path, write: Callable[[Path], None]) -> None:
             write(Path(tmp))
         except SafetensorError as err:
             raise OSError(f"could not write {path.name}: {err}") from err
+        if shared:
+            _share(Path(tmp))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def sweep_temporaries(folder: Path) -> list[Path]:
+STALE_SECONDS = 3600  # a temporary untouched this long belongs to no running writer
+
+
+def sweep_temporaries(folder: Path, older_than: float = STALE_SECONDS) -> list[Path]:
     """Remove what killed writers left in ``folder``: entries named ``*.tmp`` (ours) or
-    ``.tmp*`` (other libraries' temporaries). Call it only while holding the folder's build
-    lock, when no other writer can be at work there. Returns what was removed."""
+    ``.tmp*`` (other libraries' temporaries) not modified for ``older_than`` seconds, so that
+    a writer at work (even one that holds no lock) keeps its temporary. Returns what was
+    removed."""
     removed = []
+    now = time.time()
     for entry in [*folder.glob("*.tmp"), *folder.glob(".tmp*")]:
         try:
+            if now - entry.lstat().st_mtime < older_than:
+                continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:

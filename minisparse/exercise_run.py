@@ -8,6 +8,7 @@ import contextlib
 import copy
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,16 +20,19 @@ __all__ = ["TIME_LIMIT", "describe", "run_learner", "short"]
 TIME_LIMIT = 60.0  # seconds one call of the learner's function may take
 
 
-class _TooSlow(Exception):
-    pass
+class _TooSlow(BaseException):
+    """Not an Exception: a learner's own ``except Exception`` must not swallow the limit."""
 
 
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
     """Raise _TooSlow in the calling code after ``seconds`` (a timer signal, in the main thread
-    of a Unix process; elsewhere no limit is set)."""
+    of a Unix process; elsewhere no limit is set). A timer already running (a test runner's
+    own limit) is set again afterwards with the time it had left, or is left alone when it
+    would fire first."""
     usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    if not usable:
+    outer = signal.getitimer(signal.ITIMER_REAL)[0] if usable else 0.0
+    if not usable or 0 < outer <= seconds:
         yield
         return
 
@@ -36,12 +40,15 @@ def _time_limit(seconds: float) -> Iterator[None]:
         raise _TooSlow
 
     previous = signal.signal(signal.SIGALRM, stop)
+    start = time.monotonic()
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+        if outer > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer - (time.monotonic() - start)))
 
 
 def _unchanged(before: Tensor, after: Tensor) -> bool:

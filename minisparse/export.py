@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from .hf import check_exportable, to_hf
 from .model import MLP, Transformer
 
 __all__ = [
+    "EXPORT_MARK",
     "GGUF_DTYPES",
     "GGUF_LAYER_NAMES",
     "GGUF_TOP_NAMES",
@@ -87,15 +89,22 @@ def check_plain_mlps(model: Transformer) -> None:
             )
 
 
+#: The file every HF export writes into its folder: only a folder that holds it may be replaced.
+EXPORT_MARK = "minisparse_export.json"
+
+
 def check_export_folder(directory: Path) -> None:
-    """An HF export replaces its folder whole: refuse one that holds anything but an export."""
+    """An HF export replaces its folder whole: refuse a folder that is not empty and was not
+    made by an export (no ``EXPORT_MARK``) — a project, a downloaded checkpoint, a model the
+    export reads from."""
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{directory} is a file; give a folder name for --format hf.")
     if directory.is_dir() and any(directory.iterdir()):
-        if not (directory / "config.json").is_file():
+        if not (directory / EXPORT_MARK).is_file():
             raise ValueError(
-                f"{directory} is not empty and holds no earlier export (no config.json); an HF "
-                "export replaces its folder whole, so choose a new or empty folder."
+                f"{directory} is not empty and was not made by minisparse export (no "
+                f"{EXPORT_MARK}); an HF export replaces its folder whole, so choose a new or "
+                "empty folder."
             )
 
 
@@ -111,7 +120,7 @@ def export_hf(
     The checkpoint is written in a temporary folder and put in place at the end
     (``cache.write_dir_atomic``): an interrupted export leaves the folder that was there, and
     a new one holds no stale file of an earlier export. A non-empty folder that is not an
-    earlier export is refused (``check_export_folder``).
+    earlier export (no ``EXPORT_MARK`` file) is refused (``check_export_folder``).
     """
     from .cache import write_dir_atomic
 
@@ -121,13 +130,14 @@ def export_hf(
     check_export_folder(out)
 
     def write(folder: Path) -> None:
+        (folder / EXPORT_MARK).write_text(json.dumps({"exported_by": "minisparse export"}))
         to_hf(model).save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if sidecars:
             save_sidecars(folder, **sidecars)
 
-    write_dir_atomic(out, write)
+    write_dir_atomic(out, write, shared=True)
     return out
 
 
@@ -201,7 +211,9 @@ def export_gguf(
 
     check_gguf_exportable(model, dtype)
     out = Path(path)
-    write_file_atomic(out, lambda tmp: write_gguf(model, tmp, dtype, tokenizer_gguf, name))
+    write_file_atomic(
+        out, lambda tmp: write_gguf(model, tmp, dtype, tokenizer_gguf, name), shared=True
+    )
     return out
 
 
@@ -298,11 +310,13 @@ def save_sidecars(
 
     out = Path(directory)
     written = []
-    if predictors is not None:  # Predictors.save writes atomically itself
-        written.append(predictors.save(out / f"{prefix}predictors.safetensors"))
+    if predictors is not None:
+        path = out / f"{prefix}predictors.safetensors"
+        write_file_atomic(path, predictors.save, shared=True)
+        written.append(path)
     if placement is not None:
         path = out / f"{prefix}placement.safetensors"
-        write_file_atomic(path, lambda tmp: save_placement(placement, tmp))
+        write_file_atomic(path, lambda tmp: save_placement(placement, tmp), shared=True)
         written.append(path)
     return written
 

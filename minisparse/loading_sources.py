@@ -181,6 +181,13 @@ def hf_from_gguf(path: Path) -> tuple[torch.nn.Module, Any]:
         )
     except ImportError as err:
         raise dependency_error(err, f"Reading {path.name} with transformers") from err
+    except RuntimeError as err:  # e.g. a tensor whose shape the file's own header does not give
+        if isinstance(err, ModelLoadError):
+            raise
+        raise ModelLoadError(
+            f"The weights in {path.name} do not fit the model its header describes "
+            f"({str(err).splitlines()[0]}...); export or download the file again."
+        ) from err
     check_loaded_weights(hf, info, str(path))
     return hf, tokenizer_from_gguf(path)
 

@@ -72,10 +72,10 @@ def interleaved_times(
 
     ``warmup + repeats`` rounds; each round calls every function once, and the first
     ``warmup`` rounds are dropped. With ``rotate``, round r starts at the r-th function of
-    ``fns``, so that no function always runs first or right after the same other one: a
-    machine can favour a position in the round (a cache another run warmed, a clock that
-    ramps up), and rotating spreads that over all of them. Without it, every round runs in the
-    order of ``fns``.
+    ``fns`` (the order is kept, cyclically), so that each function runs first, second, ... in
+    turn: a machine can favour a position in the round (a cache another run warmed, a clock
+    that ramps up), and rotating spreads that over all of them. Without it, every round runs
+    in the order of ``fns``.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")

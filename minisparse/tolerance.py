@@ -16,7 +16,8 @@ orders of magnitude more. u = 2^-24 is float32's unit roundoff.
   rounded angle, and x_1 cos a - x_2 sin a adds three roundings. With |x_j| <= X:
   |error| <= X (√2 |δa| + 4 u) + 3 √2 u X <= X (2√2 a u + 9 u) (``rope_bound``).
 * Softmax attention with d-dimensional heads over n keys: each score q·k / √d is off by at
-  most ε = γ_d max_pairs Σ|q_i k_i| / √d; the softmax weights then move by at most 2 ε
+  most ε = γ_{d+3} max_pairs Σ|q_i k_i| / √d (three more roundings: the 1/√d factor
+  and its product, or the scale applied to q and to k); the softmax weights then move by at most 2 ε
   relative, and their exponentials, sum and (in the tiled form) rescalings add (2 n + 3) u
   relative; the output Σ p_j v_j adds γ_n. With |v| <= V:
   |error| <= V (2 ε + (2 n + 3) u + γ_n) (``attention_bound``).
@@ -58,6 +59,6 @@ def attention_bound(q: Tensor, k: Tensor, v: Tensor) -> float:
     group = q.shape[-3] // k.shape[-3]
     k_abs = k.abs().repeat_interleave(group, dim=-3)
     largest = float((q.abs() @ k_abs.transpose(-1, -2)).max())  # max over pairs of Σ |q_i k_i|
-    score_error = gamma(d) * largest / math.sqrt(d)
+    score_error = gamma(d + 3) * largest / math.sqrt(d)
     one = float(v.abs().max()) * (2 * score_error + (2 * n + 3) * U32 + gamma(n))
     return 2 * one

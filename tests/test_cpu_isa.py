@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
-import time
 
 import pytest
 
 from minisparse.kernels import cpu, cpu_build, cpu_isa
 
-X86_V3 = "ssse3 sse4_1 sse4_2 popcnt avx avx2 fma bmi2 f16c"
+X86_V2 = "cx16 lahf_lm popcnt sse4_1 sse4_2 ssse3"
+X86_V3 = f"{X86_V2} avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
 AVX512_INFO = f"processor\t: 0\nflags\t\t: fpu sse2 {X86_V3} avx512f\n"
-SSE4_INFO = "flags\t\t: fpu sse2 ssse3 sse4_1 sse4_2 popcnt\n"
+SSE4_INFO = f"flags\t\t: fpu sse2 {X86_V2}\n"
 
 
 def test_targets_follow_the_cpu_flags_and_the_architecture():
     assert cpu_isa.available_targets(AVX512_INFO, "x86_64") == cpu_isa.TARGETS
     assert cpu_isa.available_targets(SSE4_INFO, "x86_64") == ("native", "x86-64-v2")
     assert cpu_isa.available_targets("flags\t: fpu sse2\n", "x86_64") == ("native",)
+    no_movbe = AVX512_INFO.replace(" movbe", "")  # a VM that hides one v3 flag: no v3 build
+    assert cpu_isa.available_targets(no_movbe, "x86_64") == ("native", "x86-64-v2")
     assert cpu_isa.available_targets(AVX512_INFO, "aarch64") == ("native",)
 
 
@@ -32,15 +35,15 @@ def test_the_override_is_checked(monkeypatch):
 
 
 class FakeLibrary:
-    """A build whose probe takes a set time (seconds per call), counting its calls."""
+    """A build whose probe reports a set time (seconds per call), counting its calls."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.calls = seconds, 0
         self.isa_probe = self
 
-    def __call__(self, rows: int, reps: int, threads: int) -> float:
+    def __call__(self, rows: int, reps: int, threads: int, seconds) -> float:
         self.calls += 1
-        time.sleep(self.seconds)
+        seconds._obj.value = self.seconds
         return 1.0
 
 
@@ -111,9 +114,10 @@ def test_the_real_probe_runs_the_same_work_in_every_build(tmp_path, monkeypatch)
     compiler = cpu.resolve_compiler(cpu.find_compiler())
     sums = {}
     for target in cpu_isa.available_targets():
-        lib = cpu_build.build_for(compiler, "decode_step.c", target)
-        cpu_isa.declare_probe(lib)
-        sums[target] = lib.isa_probe(64, 3, 2)
+        lib = cpu_build.build_for(compiler, "decode_step.c", target, cpu_isa.declare_probe)
+        elapsed = ctypes.c_double(0.0)
+        sums[target] = lib.isa_probe(64, 3, 2, ctypes.byref(elapsed))
+        assert 0 < elapsed.value < 10  # the work alone was timed
     assert all(s == s for s in sums.values()), sums  # no NaN: the matrices were allocated
     first = sums["native"]
     assert all(abs(s - first) <= 1e-4 * max(1.0, abs(first)) for s in sums.values()), sums

@@ -216,3 +216,21 @@ def test_the_checker_is_not_fooled_and_says_why_in_the_learners_terms(
 def test_trials_must_be_a_positive_count(trials):
     with pytest.raises(ValueError, match="trials must be at least 1"):
         check("kv_bytes", _kv_bytes, trials=trials)
+
+
+def test_a_learners_except_cannot_swallow_the_time_limit(capsys, monkeypatch):
+    import minisparse.exercise_run as R
+
+    monkeypatch.setattr(R, "TIME_LIMIT", 0.2)
+
+    def stubborn(x, w, eps):
+        import time
+
+        try:
+            time.sleep(5)
+        except Exception:
+            return x  # would pass the limit if it were an Exception
+        return x
+
+    assert not check("rms_norm", stubborn, seed=0)
+    assert "did not return within" in capsys.readouterr().out

@@ -155,7 +155,8 @@ def test_a_placement_round_trips_through_its_file(tmp_path):
         (["export", "out_dir", "--format", "gguf"], "ending in .gguf"),
         (["export", "m.gguf", "--format", "gguf", "--relu"], "SiLU MLPs only"),
         (["export", "d", "--predictors", "missing.safetensors"], "No predictors file"),
-        (["export", "busy"], "holds no earlier export"),
+        (["export", "busy"], "was not made by minisparse export"),
+        (["export", "checkpoint"], "was not made by minisparse export"),
         (["export", "busy/file.txt"], "is a file"),
         (["export", "busy/file.txt/m.gguf", "--format", "gguf"], "cannot write"),
     ],
@@ -168,10 +169,13 @@ def test_export_command_checks_its_arguments_before_loading(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file.txt").write_text("a user's file")
+    (tmp_path / "checkpoint").mkdir()  # a downloaded model: config.json, but not an export
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
     monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: pytest.fail("loaded"))
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert (tmp_path / "busy" / "file.txt").read_text() == "a user's file"
+    assert (tmp_path / "checkpoint" / "config.json").read_text() == "{}"
 
 
 def test_an_interrupted_gguf_export_leaves_the_good_file(tmp_path, monkeypatch):
@@ -192,10 +196,21 @@ def test_an_interrupted_gguf_export_leaves_the_good_file(tmp_path, monkeypatch):
 
 
 def test_an_hf_export_replaces_its_folder_whole_and_survives_an_interruption(tmp_path, monkeypatch):
+    import os
+
     import transformers
 
     model, out = tiny_model(seed=3, std=0.1, **SHAPE), tmp_path / "export"
-    E.export_hf(model, out)
+    old_mask = os.umask(0o022)
+    try:
+        E.export_hf(model, out)
+        E.export_gguf(model, tmp_path / "m.gguf", "f32")
+    finally:
+        os.umask(old_mask)
+    assert out.stat().st_mode & 0o777 == 0o755  # readable by others, as a plain write gives
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "m.gguf").stat().st_mode & 0o777 == 0o644
+    (tmp_path / "m.gguf").unlink()
     (out / "predictors.safetensors").write_text("stale, from an earlier export")
     E.export_hf(model, out)
     assert not (out / "predictors.safetensors").exists()  # the new export alone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -53,11 +54,15 @@ def test_a_killed_write_leaves_only_a_temporary_that_the_next_builder_sweeps(tmp
     )
     assert kill_when(code, ready) < 0
     assert (folder / "model.safetensors").read_bytes() == b"the good file"  # untouched
-    assert [p.name for p in folder.glob("*.tmp")]  # the orphan the kill left
+    orphans = list(folder.glob("*.tmp"))
+    assert orphans  # the orphan the kill left
     (folder / ".tmpXYZ123").write_bytes(b"another library's orphan")
+    (folder / "fresh.tmp").write_bytes(b"a writer at work right now")
+    for old in [*orphans, folder / ".tmpXYZ123"]:
+        os.utime(old, (0, 0))  # left long ago
     with build_lock(folder) as locked:
         assert locked
-    assert sorted(p.name for p in folder.iterdir()) == [".lock", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "fresh.tmp", "model.safetensors"]
 
 
 def test_sweep_removes_files_and_folders_and_keeps_the_rest(tmp_path):
@@ -66,6 +71,9 @@ def test_sweep_removes_files_and_folders_and_keeps_the_rest(tmp_path):
     (tmp_path / "b.tmp" / "inner").write_text("y")
     (tmp_path / "model.safetensors").write_text("keep")
     (tmp_path / "tokenizer").mkdir()
+    assert sweep_temporaries(tmp_path) == []  # fresh: they may belong to a writer at work
+    for name in ("a.tmp", "b.tmp"):
+        os.utime(tmp_path / name, (0, 0))
     removed = sweep_temporaries(tmp_path)
     assert sorted(p.name for p in removed) == ["a.tmp", "b.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "tokenizer"]
@@ -100,3 +108,25 @@ def test_safetensors_errors_become_os_errors(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         save_tensors_atomic({"w": torch.ones(2)}, tmp_path / "m.safetensors", {})
     assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_final_rename_puts_the_old_folder_back(tmp_path, monkeypatch):
+    import minisparse.cache as C
+
+    target = tmp_path / "export"
+    target.mkdir()
+    (target / "config.json").write_text("old")
+    real = os.replace
+    calls = []
+
+    def failing(src, dst):
+        calls.append(dst)
+        if Path(dst) == target and Path(src).suffix == ".tmp":  # the new folder into place
+            raise OSError(18, "Invalid cross-device link")
+        return real(src, dst)
+
+    monkeypatch.setattr(C.os, "replace", failing)
+    with pytest.raises(OSError, match="cross-device"):
+        write_dir_atomic(target, lambda folder: (folder / "config.json").write_text("new"))
+    assert (target / "config.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]

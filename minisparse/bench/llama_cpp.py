@@ -80,20 +80,40 @@ class LlamaCppChild:
             text=True,
             env=os.environ | {"PYTHONUNBUFFERED": "1"},
         )
-        self._read()  # "ready" once the model is loaded
+        try:
+            self._read()  # "ready" once the model is loaded
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
             raise LlamaCppDied(self._why())
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            self.close()
+            raise LlamaCppDied(
+                f"llama.cpp's process on {self.gguf.name} printed {line.strip()[:80]!r} "
+                "instead of an answer"
+            ) from None
 
     def _why(self) -> str:
-        code = self.proc.wait(timeout=30)
-        self.stderr.seek(0)
-        err = self.stderr.read().strip().splitlines()
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        err = []
+        if not self.stderr.closed:
+            self.stderr.seek(0)
+            err = self.stderr.read().strip().splitlines()
         if code < 0:
-            name = signal.Signals(-code).name
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:  # a real-time signal has no name
+                name = f"signal {-code}"
             hint = f"; {REBUILD_HINT}" if name in ("SIGILL", "SIGSEGV", "SIGBUS") else ""
             return f"llama.cpp died with {name} on {self.gguf.name}{hint}"
         last = err[-1] if err else "no message"
@@ -121,7 +141,8 @@ class LlamaCppChild:
                 self.proc.wait()
         if self.proc.stdout:
             self.proc.stdout.close()
-        self.stderr.close()
+        if not self.stderr.closed:
+            self.stderr.close()
 
     def __enter__(self) -> LlamaCppChild:
         return self

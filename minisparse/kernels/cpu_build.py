@@ -70,8 +70,12 @@ BASE_FLAGS = ("-O3", "-shared", "-fPIC")
 
 def flag_ladder(target: str = "native") -> tuple[tuple[str, ...], ...]:
     """Flags tried in order: OpenMP and ``-march=target`` first; a compiler that knows neither
-    flag (stock macOS clang has no -fopenmp) still builds a plain, single-threaded library."""
+    flag (stock macOS clang has no -fopenmp) still builds a plain, single-threaded library. A
+    portable level (``x86-64-v3``) is never dropped: a compiler that does not know it fails
+    that build, rather than making a baseline one under its name."""
     march = f"-march={target}"
+    if target != "native":
+        return (("-fopenmp", march), (march,))
     return (("-fopenmp", march), ("-fopenmp",), (march,), ())
 
 

@@ -22,14 +22,14 @@ Off x86 (ARM, ...) the only target is ``native`` and nothing is measured.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import platform
 import statistics
 import subprocess
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,11 +48,12 @@ __all__ = [
 
 ENV_VAR = "MINISPARSE_MARCH"
 TARGETS = ("native", "x86-64-v3", "x86-64-v2")
-# The CPU flags (Linux /proc/cpuinfo names) each portable x86-64 level needs, beyond the lower
-# level's (the psABI's definitions, abridged to the flags that tell the levels apart).
+# The CPU flags (Linux /proc/cpuinfo names) each portable x86-64 level needs (the psABI's
+# definitions; lzcnt is reported as abm). A CPU that lacks one never runs that build.
+_V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
 LEVEL_FLAGS = {
-    "x86-64-v2": ("ssse3", "sse4_1", "sse4_2", "popcnt"),
-    "x86-64-v3": ("ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "avx2", "fma", "bmi2", "f16c"),
+    "x86-64-v2": _V2,
+    "x86-64-v3": (*_V2, "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"),
 }
 MARGIN = 1.03  # another build must be 3 % faster than native to replace it (timing noise)
 PROBE_ROWS, PROBE_REPS, ROUNDS = 2048, 8, 7
@@ -112,27 +113,35 @@ def requested_target() -> str:
 
 
 def declare_probe(lib: ctypes.CDLL) -> None:
-    """ctypes types of ``decode_step.c``'s ``isa_probe(rows, reps, threads) -> checksum``."""
-    lib.isa_probe.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    """ctypes types of ``decode_step.c``'s ``isa_probe(rows, reps, threads, &seconds) ->
+    checksum``."""
+    lib.isa_probe.argtypes = [
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_double),
+    ]
     lib.isa_probe.restype = ctypes.c_double
 
 
 def time_probe(
     libs: dict[str, ctypes.CDLL], threads: int, rounds: int | None = None
 ) -> dict[str, float]:
-    """Median seconds of one ``isa_probe`` call per library, the libraries alternating within
-    each round (``ROUNDS`` by default) after one warm-up call each."""
+    """Median seconds of the ``isa_probe`` work per library (timed inside C, without its
+    setup), the libraries alternating within each round (``ROUNDS`` by default), the order
+    rotating from round to round, after one warm-up call each."""
     rounds = ROUNDS if rounds is None else rounds
+    names = list(libs)
     seconds: dict[str, list[float]] = {name: [] for name in libs}
     for round_ in range(rounds + 1):
-        for name, lib in libs.items():
-            start = time.perf_counter()
-            check = lib.isa_probe(PROBE_ROWS, PROBE_REPS, threads)
-            elapsed = time.perf_counter() - start
+        start = round_ % len(names)
+        for name in names[start:] + names[:start]:
+            elapsed = ctypes.c_double(0.0)
+            check = libs[name].isa_probe(PROBE_ROWS, PROBE_REPS, threads, ctypes.byref(elapsed))
             if check != check:  # NaN: the probe could not allocate its matrices
                 raise MemoryError("isa_probe could not allocate its matrices")
             if round_:
-                seconds[name].append(elapsed)
+                seconds[name].append(elapsed.value)
     return {name: statistics.median(s) for name, s in seconds.items()}
 
 
@@ -189,6 +198,36 @@ def chosen_target(
         return Choice("native", "the only build for this CPU", {})
     if (choice := _read(saved)) is not None:
         return choice
+    with _measuring(saved):  # one process measures; the others wait, then read its choice
+        if (choice := _read(saved)) is not None:
+            return choice
+        return _measure(contenders, build, saved, threads)
+
+
+@contextlib.contextmanager
+def _measuring(saved: Path) -> Iterator[None]:
+    """An exclusive lock on ``saved``'s lock file while the builds are timed (two processes
+    timing at once would disturb each other); without ``flock`` or a writable folder, none."""
+    try:
+        import fcntl
+
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(saved.with_suffix(".lock"), "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _measure(
+    contenders: Sequence[str], build: Callable[[str], ctypes.CDLL], saved: Path, threads: int
+) -> Choice:
+    """Build and time the contenders, save and return the choice (native when one fails)."""
     try:
         libs = {}
         for target in contenders:

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #define THREAD_ID() omp_get_thread_num()
@@ -536,9 +537,10 @@ int lm_head_step(const float* x, int64_t B, const float* norm, float eps, const 
 /* The fixed workload that chooses between builds of this file (minisparse.kernels.cpu_isa):
    products of a [rows, 576] matrix stored each way a decode step reads one (float32 rows,
    float32 input-major, int8 rows, 4-bit blocks) with 1 and 5 tokens, `reps` times, on fixed
-   synthetic values. The caller times the call. Returns a checksum, so that no compiler drops
-   the work, or NaN when the memory cannot be allocated. */
-double isa_probe(int64_t rows, int64_t reps, int num_threads) {
+   synthetic values. The products alone are timed (a monotonic clock; the allocation and the
+   filling are not): their seconds go to *seconds. Returns a checksum, so that no compiler
+   drops the work, or NaN when the memory cannot be allocated. */
+double isa_probe(int64_t rows, int64_t reps, int num_threads, double* seconds) {
     const int64_t K = 576, B = 5, nb = K / 32;
     float* w = malloc(rows * K * sizeof(float));
     float* wt = malloc(K * rows * sizeof(float));
@@ -566,6 +568,8 @@ double isa_probe(int64_t rows, int64_t reps, int num_threads) {
         for (int64_t i = 0; i < B * K; i++) X[i] = w[i];
         const Mat mf = {w, 0, 0, 0}, mt = {wt, 0, rows, 0}, m8 = {q8, scale, 0, 0}, m4 = {q4, 0, 0, 1};
         check = 0.0;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
         for (int64_t rep = 0; rep < reps; rep++) {
             #pragma omp parallel num_threads(num_threads)
             {
@@ -584,6 +588,8 @@ double isa_probe(int64_t rows, int64_t reps, int num_threads) {
             }
             check += Y[rep % (B * rows)];
         }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        *seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     }
     free(w); free(wt); free(q8); free(scale); free(q4); free(X); free(Y); free(parts);
     return check;

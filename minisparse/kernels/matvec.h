@@ -111,7 +111,7 @@ static inline const Q4Block* q4_row(Mat M, int64_t i, int64_t K) {
         return s;                                                             \
     }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__FMA__)
 /* float32 rows stream through 8-float registers even with AVX-512: four chains of 256-bit
    loads and multiply-adds read a row faster than two chains of 512-bit ones on an AMD EPYC
    with AVX-512 (decode 1.08x, the x86-64-v3 build's speed; alternating, median of 9). The
