@@ -16,11 +16,12 @@ once it is an hour old, the next time a cache folder is built. Every temporary n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "STALE_SECONDS",
     "atomic_write_text",
     "cache_dir",
+    "exclusive_lock",
     "save_tensors_atomic",
     "sweep_temporaries",
     "write_dir_atomic",
@@ -51,31 +53,12 @@ def save_tensors_atomic(
     tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
 ) -> None:
     """safetensors file written to a temporary name, then renamed: never half a file at ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-        except SafetensorError as err:  # safetensors reports a full disk in its own type
-            raise OSError(f"could not write {path.name}: {err}") from err
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_file_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """A text file written to a temporary name, then renamed: never half a file at ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_file_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def _umask() -> int:
@@ -150,6 +133,27 @@ def write_file_atomic(path: Path, write: Callable[[Path], None], shared: bool = 
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on the file ``path`` (made if missing) for the ``with``
+    block; yields whether it is held. Where none can be taken (no POSIX ``flock``, an
+    unwritable folder) the block runs without it."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")  # closed by the with below
+    except (ImportError, OSError):
+        yield False
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 STALE_SECONDS = 3600  # a temporary untouched this long belongs to no running writer

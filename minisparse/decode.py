@@ -96,7 +96,7 @@ class Decoder:
             )
         self.model, self.cache = model, cache
         c = model.config
-        lib = lib or decode_library()  # another build of decode_step.c: ``bench isa``
+        lib = decode_library() if lib is None else lib  # another build: ``bench isa``
         self.lib = lib
         usable = lib is not None and not global_hooks() and not hooked(model)
         self.halves: list[Half] = []

@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_model
 
-from .cache import save_tensors_atomic, sweep_temporaries, write_dir_atomic
+from .cache import exclusive_lock, save_tensors_atomic, sweep_temporaries, write_dir_atomic
 from .loading_sources import TOKENIZER_ERRORS
 from .model import ModelConfig, Transformer
 
@@ -124,21 +124,10 @@ def build_lock(directory: Path) -> Iterator[bool]:
     can be taken (no POSIX ``flock``, an unwritable folder) it goes on without one: the atomic
     renames alone keep every cache file whole.
     """
-    try:
-        import fcntl
-
-        directory.mkdir(parents=True, exist_ok=True)
-        handle = open(directory / ".lock", "a")  # closed by the with below
-    except (ImportError, OSError):
-        yield False
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
+    with exclusive_lock(directory / ".lock") as locked:
+        if locked:
             sweep_temporaries(directory)
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield locked
 
 
 def write_or_warn(what: str, write: Callable[[], None]) -> bool:

@@ -98,6 +98,14 @@ def run_tour(out: str | Path | None = None, max_new_tokens: int = 48) -> dict[st
         f"(weight cache: {cache_dir()})"
     )
 
+    from .decode_layers import decode_library
+    from .kernels.cpu_build import describe_build
+    from .machine import cpu_name
+
+    t0 = time.perf_counter()
+    decode_library()  # compiled (and its build chosen) once per machine: not part of the chat
+    report["build"] = describe_build()
+    print(f"    {report['build']} (ready in {time.perf_counter() - t0:.1f} s)")
     print(f"2/5 Chat. Q: {QUESTION}\n    A: ", end="", flush=True)
     t0 = time.perf_counter()
     answer = generate(
@@ -110,7 +118,10 @@ def run_tour(out: str | Path | None = None, max_new_tokens: int = 48) -> dict[st
     seconds = time.perf_counter() - t0
     report["answer"] = tokenizer.decode(answer, skip_special_tokens=True)
     report["chat_tok_s"] = len(answer) / seconds
-    print(f"    {len(answer)} tokens at {report['chat_tok_s']:.1f} tokens/s (prefill included)")
+    print(
+        f"    {len(answer)} tokens at {report['chat_tok_s']:.1f} tokens/s (prefill included; "
+        f"{cpu_name()}, {torch.get_num_threads()} threads)"
+    )
 
     print(
         "3/5 Checking logits against transformers' own model (loads the GGUF, ~20 s) ...",

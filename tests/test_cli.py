@@ -322,3 +322,27 @@ def test_a_results_file_that_cannot_be_written_is_refused_before_the_run(
     blocked.write_text("")
     assert main(["bench", "decode", option, str(blocked / "out.json")]) == 2
     assert f"{option} {blocked / 'out.json'}: cannot write" in capsys.readouterr().err
+
+
+def test_a_recorded_run_replaces_the_one_of_its_cpu_kind_and_weights(tmp_path):
+    from minisparse.bench.decode import record_run
+
+    def run(cpu, isa, weights, tok_s):
+        machine = {"cpu": cpu, "vector_isa": isa}
+        return {"machine": machine, "weights": weights, "tok_s": tok_s}
+
+    path = tmp_path / "runs.json"
+    for r in [
+        run("AMD EPYC", "AVX2", "int8", 1.0),
+        run("AMD EPYC", "AVX2", "fp32", 2.0),
+        run("Intel Xeon", "AVX-512", "fp32", 3.0),
+        run("AMD EPYC", "AVX2", "fp32", 4.0),  # the same kind and weights: replaces 2.0
+    ]:
+        record_run(path, r)
+    runs = json.loads(path.read_text())["runs"]
+    assert [(r["machine"]["cpu"], r["weights"], r["tok_s"]) for r in runs] == [
+        ("AMD EPYC", "fp32", 4.0),
+        ("AMD EPYC", "int8", 1.0),
+        ("Intel Xeon", "fp32", 3.0),
+    ]
+    assert not list(tmp_path.glob("*.tmp"))

@@ -243,3 +243,25 @@ def test_a_gguf_file_is_its_own_reference_for_the_benchmarks(monkeypatch):
     monkeypatch.setattr(L, "hf_from_gguf", lambda path: seen.append(path) or ("hf", "tok"))
     assert L.load_hf_reference("~/models/m.gguf") == ("hf", "tok")
     assert seen == [Path("~/models/m.gguf").expanduser()]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8_0", "q4_1"])
+def test_llama_cpp_reads_the_bytes_the_file_holds_per_step(tmp_path, dtype):
+    """gguf_step_bytes: every tensor once (the tied embedding is the LM head, read whole); at
+    f32 that is exactly the bytes our own float32 step streams."""
+    import gguf
+
+    from minisparse.bench.llama_cpp import gguf_step_bytes
+    from minisparse.engine import step_bytes
+
+    model = tiny_model(seed=5, std=0.1, **SHAPE)
+    path = E.export_gguf(model, tmp_path / "m.gguf", dtype)
+    tensors = gguf.GGUFReader(str(path)).tensors
+    assert gguf_step_bytes(path) == sum(int(t.n_bytes) for t in tensors)
+    if dtype == "f32":
+        assert gguf_step_bytes(path) == step_bytes(model)
+    else:  # 8.5 or 5 bits per weight of the matrices, float32 norms
+        per_weight = {"q8_0": 34 / 32, "q4_1": 20 / 32}[dtype]
+        matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)
+        norms = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+        assert gguf_step_bytes(path) == matrices * per_weight + 4 * norms

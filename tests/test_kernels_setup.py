@@ -96,7 +96,7 @@ def test_cache_folders_and_libraries_are_private_whatever_the_umask(tmp_path):
     if not cpu.fast_path_available():
         pytest.skip("no C compiler here")
     cache = tmp_path / "cache"
-    stale = cache / "cpu_kernels" / "tmpdead.build"
+    stale = cache / "cpu_kernels" / "tmpdead.tmp"
     stale.mkdir(parents=True)
     os.utime(stale, (0, 0))  # a compile killed long ago
     code = "import os; os.umask(0)\n" + LOAD_LOOPS

@@ -36,7 +36,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -197,18 +196,6 @@ def _verified(path: Path) -> bool:
         return False
 
 
-def _sweep(folder: Path) -> None:
-    """Remove build folders (``*.build``) that a killed compile left behind, once they are an
-    hour old (a running compile takes seconds)."""
-    now = time.time()
-    for entry in folder.glob("*.build"):
-        try:
-            if now - entry.stat().st_mtime > 3600:
-                shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            pass
-
-
 def _compile(compiler: Compiler, out: Path, source: str, target: str) -> None:
     """Compile ``source`` to the shared library ``out`` with the first flags of
     ``flag_ladder(target)`` the compiler accepts: in a private temporary folder, then renamed
@@ -216,8 +203,10 @@ def _compile(compiler: Compiler, out: Path, source: str, target: str) -> None:
     alone (0700), whatever the umask."""
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(out.parent, 0o700)  # the libraries' own folder: private even if made before
-    _sweep(out.parent)
-    with tempfile.TemporaryDirectory(dir=out.parent, suffix=".build") as tmp:
+    from ..cache import sweep_temporaries
+
+    sweep_temporaries(out.parent)  # what killed compiles left, once it is an hour old
+    with tempfile.TemporaryDirectory(dir=out.parent, suffix=".tmp") as tmp:
         src = Path(tmp) / "source.c"
         src.write_text(source)
         lib = Path(tmp) / out.name

@@ -22,14 +22,13 @@ Off x86 (ARM, ...) the only target is ``native`` and nothing is measured.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
 import platform
 import statistics
 import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -198,30 +197,13 @@ def chosen_target(
         return Choice("native", "the only build for this CPU", {})
     if (choice := _read(saved)) is not None:
         return choice
-    with _measuring(saved):  # one process measures; the others wait, then read its choice
+    from ..cache import exclusive_lock
+
+    # one process measures (two at once would disturb each other); the others wait, then read
+    with exclusive_lock(saved.with_suffix(".lock")):
         if (choice := _read(saved)) is not None:
             return choice
         return _measure(contenders, build, saved, threads)
-
-
-@contextlib.contextmanager
-def _measuring(saved: Path) -> Iterator[None]:
-    """An exclusive lock on ``saved``'s lock file while the builds are timed (two processes
-    timing at once would disturb each other); without ``flock`` or a writable folder, none."""
-    try:
-        import fcntl
-
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(saved.with_suffix(".lock"), "a")
-    except (ImportError, OSError):
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _measure(
