@@ -8,10 +8,13 @@ Start with::
     print(tokenizer.decode(ids))
 """
 
-from .cache import cache_dir
-from .generate import generate
-from .loading import ModelLoadError, load
-from .model import ModelConfig, Transformer
+from . import moved
+from .core.generate import generate
+from .core.model import ModelConfig, Transformer
+from .io.cache import cache_dir
+from .io.loading import ModelLoadError, load
+
+moved.install()  # the old flat module paths still import for one release, with a warning
 
 __version__ = "0.1.0"
 

@@ -28,11 +28,13 @@ from pathlib import Path
 
 import torch
 
-from . import export, offload_report, prepare
-from .checks import check_output_path
-from .generate import check_messages, check_sampling, check_seed
-from .loading import ModelLoadError, resolve_device
-from .model import check_count
+from .core.checks import check_output_path
+from .core.generate import check_messages, check_sampling, check_seed
+from .core.model import check_count
+from .course import prepare
+from .io import export
+from .io.loading import ModelLoadError, resolve_device
+from .offload import report as offload_report
 from .sparsity import check_sparsity
 
 #: Errors that mean "the user asked for something that cannot work"; the message says the fix.
@@ -57,9 +59,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from .course.tour import describe
+    from .io.loading import cache_dir, load
     from .kernels.cpu_build import describe_build
-    from .loading import cache_dir, load
-    from .tour import describe
 
     resolve_device(args.device)
     model, _ = load(args.model, device=args.device)
@@ -83,8 +85,8 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import check_length, check_prompt_ids, encode_prompt, generate
-    from .loading import load
+    from .core.generate import check_length, check_prompt_ids, encode_prompt, generate
+    from .io.loading import load
 
     check_generate_arguments(args)
     model, tokenizer = load(args.model, device=args.device)
@@ -112,7 +114,7 @@ def cmd_tour(args: argparse.Namespace) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # before the tour's plotting modules import pyplot
-    from .tour import figure_path, run_tour
+    from .course.tour import figure_path, run_tour
 
     run_tour(out=check_output_path(figure_path(args.out), "--out"))
     return 0
@@ -122,9 +124,9 @@ def cmd_relufy(args: argparse.Namespace) -> int:
     import json
     import shlex
 
-    from .finetune import FinetuneConfig
-    from .loading import load
-    from .relufy import EVAL_WINDOW, check_relufy_arguments, relufy_and_finetune, result_dir
+    from .io.loading import load
+    from .relufy.finetune import FinetuneConfig
+    from .relufy.recipe import EVAL_WINDOW, check_relufy_arguments, relufy_and_finetune, result_dir
 
     check_count(args.threads, "--threads", minimum=0, fix="0 keeps torch's default")
     check_relufy_arguments(args.stage, args.seq_len, args.eval_tokens, EVAL_WINDOW)
@@ -176,9 +178,9 @@ def cmd_relufy(args: argparse.Namespace) -> int:
 def cmd_predictors(args: argparse.Namespace) -> int:
     import json
 
-    from .data import corpus, encode, token_batches
-    from .eval import windows
-    from .loading import cache_dir, load
+    from .io.data import corpus, encode, token_batches
+    from .io.eval import windows
+    from .io.loading import cache_dir, load
     from .predictors import PredictorConfig, prediction_target, train_predictors
 
     check_count(args.threads, "--threads", minimum=0, fix="0 keeps torch's default")

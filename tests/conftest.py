@@ -18,8 +18,8 @@ import torch
 from hypothesis import settings
 
 import minisparse
-from minisparse.loading import load_hf_reference
-from minisparse.model import ModelConfig, Transformer, init_weights
+from minisparse.core.model import ModelConfig, Transformer, init_weights
+from minisparse.io.loading import load_hf_reference
 
 # Property tests draw the same examples on every run: a failure is reproducible, never luck.
 settings.register_profile("deterministic", derandomize=True, print_blob=True, deadline=None)

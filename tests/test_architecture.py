@@ -222,8 +222,8 @@ def test_cycle_through_a_package_init(tmp_path):
 def test_graph_sees_the_package():
     graph = import_graph()
     assert "minisparse.kernels.cpu" in graph
-    assert "minisparse.model" in graph["minisparse.quant"]
-    assert "minisparse.kernels.cpu" in graph["minisparse.model"]  # an import inside a function
+    assert "minisparse.core.model" in graph["minisparse.quant.apply"]
+    assert "minisparse.kernels.cpu" in graph["minisparse.core.model"]  # an import inside a function
 
 
 def test_no_import_cycles():
@@ -256,3 +256,65 @@ def test_the_api_page_matches_the_code():
     assert page.read_text() == api_markdown(), (
         "docs/API.md is out of date: python tests/api_doc.py > docs/API.md"
     )
+
+
+def test_old_module_paths_import_the_new_modules_with_a_warning():
+    import importlib
+    import sys
+
+    import pytest
+
+    from minisparse.moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(f"minisparse.{old}", None)
+        with pytest.warns(DeprecationWarning, match=f"minisparse.{new}"):
+            module = importlib.import_module(f"minisparse.{old}")
+        assert module is importlib.import_module(f"minisparse.{new}")
+        assert not (ROOT / PACKAGE / f"{old}.py").exists()
+
+
+def test_import_minisparse_loads_no_technique_chapter():
+    """``import minisparse`` and ``minisparse.generate`` stand on the core model, its I/O and the
+    compiled step: no module of chapters 03-10 loads until one is used (each technique
+    registers its own lowering when it is imported)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, minisparse\n"
+        "from minisparse import generate\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('minisparse'))))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    techniques = ("sparsity", "relufy", "predictors", "sparse", "offload", "quant", "speculative")
+    assert "minisparse.runtime.lowering" in loaded and "minisparse.core.generate" in loaded
+    early = [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in techniques]
+    assert not early, f"import minisparse loads technique modules: {early}"
+
+
+def test_the_runtime_imports_no_technique():
+    graph = import_graph()
+    techniques = ("sparsity", "relufy", "predictors", "sparse", "offload", "quant", "speculative")
+    for module, targets in graph.items():
+        if module.startswith("minisparse.runtime"):
+            reached = [t for t in targets if t.split(".")[1:2] and t.split(".")[1] in techniques]
+            assert not reached, f"{module} imports {reached}"
+
+
+def test_each_technique_registers_its_lowering_by_exact_type():
+    from torch import nn
+
+    from minisparse.predictors import LayerSelect
+    from minisparse.quant import Int4Linear, Int8Linear
+    from minisparse.runtime.lowering import lowered_types
+    from minisparse.sparse import SparseMLP
+    from minisparse.sparsity import MagnitudeThreshold
+
+    assert {Int8Linear, Int4Linear, nn.Linear} <= set(lowered_types("linear"))
+    assert MagnitudeThreshold in lowered_types("slot")
+    assert MagnitudeThreshold in lowered_types("activation")
+    assert SparseMLP in lowered_types("mlp")
+    assert LayerSelect in lowered_types("selector")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from minisparse.attention import (
+from minisparse.core.attention import (
     attention,
     expand_kv_heads,
     mha_to_gqa,
@@ -16,7 +16,7 @@ from minisparse.attention import (
     regroup_kv_heads,
     tiled_attention,
 )
-from minisparse.tolerance import attention_bound
+from minisparse.measure.tolerance import attention_bound
 
 
 def qkv(b, h, g, t, n, d, seed, dtype=torch.float32):

@@ -11,11 +11,11 @@ import pytest
 
 import minisparse
 import minisparse.cli
-import minisparse.loading
+import minisparse.io.loading
 from conftest import IdTokenizer, save_tiny_hf, tiny_model
 from minisparse.bench import bench_decode, median_time
 from minisparse.cli import main
-from minisparse.hf import to_hf
+from minisparse.io.hf import to_hf
 from minisparse.relufy import load_relufied, relufied_stage
 
 
@@ -154,7 +154,7 @@ def test_predictors_command_trains_saves_and_reports(tmp_path, capsys, monkeypat
 def tiny_load(monkeypatch):
     """``load`` gives a tiny random model (context 96) and a number tokenizer."""
     model = tiny_model(seed=21)
-    monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: (model, IdTokenizer()))
+    monkeypatch.setattr(minisparse.io.loading, "load", lambda *a, **k: (model, IdTokenizer()))
     return model
 
 
@@ -278,7 +278,7 @@ def test_a_llama_cpp_crash_is_reported_and_ours_goes_on(tmp_path, monkeypatch, c
 def test_late_or_raw_errors_are_one_line_before_the_work(monkeypatch, capsys, tmp_path):
     """A bogus device, an empty --dtype, a budget too small to place a group: one line,
     exit 2, before any model is profiled or written."""
-    import minisparse.offload_report as R
+    import minisparse.offload.report as R
 
     monkeypatch.setattr(R, "profiles", lambda *a, **k: pytest.fail("profiled"))
     cases = [
@@ -303,7 +303,7 @@ def test_permission_errors_are_one_line_with_a_hint(monkeypatch, capsys):
 
 
 def test_offload_json_has_no_nan():
-    from minisparse.offload_report import finite_json
+    from minisparse.offload.report import finite_json
 
     report = {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2}}
     assert json.dumps(finite_json(report), allow_nan=False) == (
@@ -315,9 +315,9 @@ def test_offload_json_has_no_nan():
 def test_a_results_file_that_cannot_be_written_is_refused_before_the_run(
     option, tmp_path, monkeypatch, capsys
 ):
-    import minisparse.loading
+    import minisparse.io.loading
 
-    monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(minisparse.io.loading, "load", lambda *a, **k: pytest.fail("loaded"))
     blocked = tmp_path / "a_file"
     blocked.write_text("")
     assert main(["bench", "decode", option, str(blocked / "out.json")]) == 2

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from minisparse import contextual as C
-from minisparse.hooks import capture_inputs
+from minisparse.core.hooks import capture_inputs
 from minisparse.relufy import relufy
-from minisparse.sparse_mlp import MaskedMLP, using_mlps
+from minisparse.sparse import MaskedMLP, using_mlps
+from minisparse.sparsity import contextual as C
 
 
 def model_and_tokens(seed: int = 0, relu: bool = False):
@@ -62,7 +62,7 @@ def test_pass_one_scores_are_the_down_inputs_and_head_norms():
 
 
 def rope(model, seq: int):
-    from minisparse.rope import rope_cos_sin
+    from minisparse.core.rope import rope_cos_sin
 
     return rope_cos_sin(model.inv_freq, torch.arange(seq), torch.float32)
 

@@ -22,15 +22,15 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from minisparse import finetune as F
-from minisparse import model as M
 from minisparse import quant as Q
 from minisparse import sparsity as S
-from minisparse.attention import regroup_kv_heads
-from minisparse.hybrid import apply
+from minisparse.core import model as M
+from minisparse.core.attention import regroup_kv_heads
 from minisparse.offload import Placement
+from minisparse.offload.hybrid import apply
+from minisparse.relufy import finetune as F
 from minisparse.relufy import relufy
-from minisparse.sparse_mlp import masked_mlps, swap_mlps
+from minisparse.sparse import masked_mlps, swap_mlps
 
 TOKENS = torch.tensor([[5, 17, 3, 88, 41, 2, 60, 9]])
 #: Sizes where the int4 CPU kernel applies (rows % 16 == 0, rows of 64 columns).

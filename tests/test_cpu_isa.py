@@ -106,7 +106,7 @@ def test_a_build_that_fails_leaves_native(tmp_path, monkeypatch):
 
 
 def test_the_real_probe_runs_the_same_work_in_every_build(tmp_path, monkeypatch):
-    """isa_probe of decode_step.c compiled for each target gives the same checksum (the same
+    """isa_probe of runtime/step.c compiled for each target gives the same checksum (the same
     arithmetic, up to float32 rounding in a different order)."""
     if not cpu.fast_path_available():
         pytest.skip("no C compiler here")
@@ -114,7 +114,7 @@ def test_the_real_probe_runs_the_same_work_in_every_build(tmp_path, monkeypatch)
     compiler = cpu.resolve_compiler(cpu.find_compiler())
     sums = {}
     for target in cpu_isa.available_targets():
-        lib = cpu_build.build_for(compiler, "decode_step.c", target, cpu_isa.declare_probe)
+        lib = cpu_build.build_for(compiler, cpu_build.PROBE_SOURCE, target, cpu_isa.declare_probe)
         elapsed = ctypes.c_double(0.0)
         sums[target] = lib.isa_probe(64, 3, 2, ctypes.byref(elapsed))
         assert 0 < elapsed.value < 10  # the work alone was timed
@@ -124,7 +124,7 @@ def test_the_real_probe_runs_the_same_work_in_every_build(tmp_path, monkeypatch)
 
 
 def test_the_machine_line_names_the_build():
-    from minisparse.machine import machine
+    from minisparse.measure.machine import machine
 
     line = machine(measure_bandwidth=False).line()
     if cpu.fast_path_available():

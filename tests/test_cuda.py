@@ -132,7 +132,7 @@ def test_a_bad_index_on_the_gpu_is_a_clear_error():
 
 @torch.inference_mode()
 def test_sparse_mlp_with_the_triton_backend_matches_the_masked_mlp():
-    from minisparse.sparse_mlp import MaskedMLP, SparseMLP
+    from minisparse.sparse import MaskedMLP, SparseMLP
 
     model = tiny_model(seed=3).cuda()
     mlp = model.layers[0].mlp
@@ -147,9 +147,9 @@ def test_sparse_mlp_with_the_triton_backend_matches_the_masked_mlp():
 
 @torch.inference_mode()
 def test_hot_cold_model_with_its_hot_part_on_the_gpu_matches_the_masked_model():
-    from minisparse import hybrid as H
     from minisparse import offload as O
-    from minisparse.sparse_mlp import MaskedMLP, calibrate_thresholds, swap_mlps_
+    from minisparse.offload import hybrid as H
+    from minisparse.sparse import MaskedMLP, calibrate_thresholds, swap_mlps_
 
     model = tiny_model(seed=0)
     tokens = torch.randint(0, model.config.vocab_size, (2, 24), generator=seeded("hotcold"))
@@ -174,7 +174,7 @@ def test_hot_cold_model_with_its_hot_part_on_the_gpu_matches_the_masked_model():
 
 @torch.inference_mode()
 def test_greedy_decoding_on_the_gpu_gives_the_cpu_tokens():
-    from minisparse.generate import generate
+    from minisparse.core.generate import generate
 
     model = tiny_model(seed=5, std=0.2)
     prompt = "5 17 3 88 41 2 60"

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from minisparse.data import corpus, dedupe_paragraphs, pydoc_text, split_text, token_batches
-from minisparse.eval import mean_nll, perplexity
+from minisparse.io.data import corpus, dedupe_paragraphs, pydoc_text, split_text, token_batches
+from minisparse.io.eval import mean_nll, perplexity
 
 
 def test_splits_are_disjoint_deterministic_and_complete():

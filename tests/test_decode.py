@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from minisparse import decode
-from minisparse.decode import Decoder
-from minisparse.generate import generate
+from minisparse.core.generate import generate
+from minisparse.core.model import make_cache
 from minisparse.kernels.cpu import fast_path_available
 from minisparse.kvcache import make_kv_cache
-from minisparse.model import make_cache
 from minisparse.predictors import Predictor, Predictors, init_random
-from minisparse.sparse_mlp import sparsify
+from minisparse.runtime import decoder as decode
+from minisparse.runtime.decoder import Decoder
+from minisparse.sparse import sparsify
 from minisparse.sparsity import MagnitudeThreshold
 
 needs_compiler = pytest.mark.skipif(
@@ -86,6 +86,25 @@ def test_scaled_rope_and_activation_slots():
         layer.mlp.down_in_act = nn.ReLU()
     ref, got, decoder = decode_both(model)
     assert all_c(decoder)
+    assert_close(ref, got)
+
+
+class DoubledThreshold(MagnitudeThreshold):
+    """A subclass that computes something else: it must not run as the parent's C lowering."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@needs_compiler
+def test_a_subclass_of_a_lowered_type_runs_as_torch():
+    """Lowerings are registered by exact type: a subclass of MagnitudeThreshold that changes
+    the output is not lowered as TEAL (which would silently drop its factor 2)."""
+    model = tiny_model(seed=4, std=0.1, n_layers=2)
+    model.layers[0].mlp_in_act = DoubledThreshold(nn.Identity(), 0.3)
+    model.layers[1].mlp_in_act = MagnitudeThreshold(nn.Identity(), 0.3)
+    ref, got, decoder = decode_both(model, steps=4)
+    assert decoder.plan() == ["0.attn: C", "0.mlp: torch", "1.attn: C", "1.mlp: C"]
     assert_close(ref, got)
 
 

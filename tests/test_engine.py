@@ -7,14 +7,14 @@ import torch
 
 from conftest import IdTokenizer, tiny_model
 from minisparse import engine as E
-from minisparse.decode import Decoder
-from minisparse.generate import generate
-from minisparse.hybrid import HotColdMLP
+from minisparse.core.generate import generate
 from minisparse.kernels.cpu import fast_path_available
 from minisparse.kvcache import make_kv_cache
+from minisparse.offload.hybrid import HotColdMLP
 from minisparse.quant import Int8Linear, quantize_model
-from minisparse.sparse_mlp import MaskedMLP, SparseMLP, using_mlps
-from minisparse.sparse_mlp_weights import dequantized_mlp
+from minisparse.runtime.decoder import Decoder
+from minisparse.sparse import MaskedMLP, SparseMLP, using_mlps
+from minisparse.sparse.weights import dequantized_mlp
 
 TOK = IdTokenizer()
 PROMPT = [5, 17, 3, 88, 41, 5, 17, 3, 2, 60, 9, 5, 17]  # repeats: prompt lookup finds matches
@@ -119,10 +119,10 @@ def test_the_compiled_decode_step_runs_sparse_int8_mlps_like_torch():
 
 def test_relu_sparsity_with_int8_weights_builds(monkeypatch):
     """The ReLU model (chapter 04) is replaced by the tiny model: thresholds 0, int8 MLPs."""
-    from minisparse import relufy
+    from minisparse.relufy import recipe
 
     m = tiny_model(seed=3, std=0.3, hidden_act="relu")
-    monkeypatch.setattr(relufy, "load_relufied", lambda base, stage: (m, None))
+    monkeypatch.setattr(recipe, "load_relufied", lambda base, stage: (m, None))
     engine = E.build(m, TOK, E.EngineConfig(sparsity="relu", weights="int8"))
     mlps = [layer.mlp for layer in engine.model.layers]
     assert all(isinstance(p, SparseMLP) and p.int8 and p.threshold == 0.0 for p in mlps)
@@ -212,7 +212,7 @@ def test_pareto_marks_the_rows_nothing_beats():
 @torch.inference_mode()
 def test_bytes_per_token_follow_the_density_and_the_tokens_per_pass():
     from minisparse.quant import streamed_bytes
-    from minisparse.sparse_mlp import SparseMLP, swap_mlps_
+    from minisparse.sparse import SparseMLP, swap_mlps_
 
     model = tiny_model(seed=21)
     dense = E.step_bytes(model)

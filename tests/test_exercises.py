@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisparse.exercises import EXERCISES, check
+from minisparse.course.exercises import EXERCISES, check
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
 #: exercise -> the function its solution file defines
@@ -204,7 +204,7 @@ def _mutating_rms_norm(x, w, eps):
 def test_the_checker_is_not_fooled_and_says_why_in_the_learners_terms(
     name, fn, message, capsys, monkeypatch
 ):
-    import minisparse.exercise_run as R
+    import minisparse.course.grading as R
 
     monkeypatch.setattr(R, "TIME_LIMIT", 0.2)
     assert not check(name, fn, seed=0)
@@ -219,7 +219,7 @@ def test_trials_must_be_a_positive_count(trials):
 
 
 def test_a_learners_except_cannot_swallow_the_time_limit(capsys, monkeypatch):
-    import minisparse.exercise_run as R
+    import minisparse.course.grading as R
 
     monkeypatch.setattr(R, "TIME_LIMIT", 0.2)
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minisparse import export as E
 from minisparse import sparsity as S
 from minisparse.cli import main
-from minisparse.hybrid import apply
+from minisparse.io import export as E
 from minisparse.offload import Placement
+from minisparse.offload.hybrid import apply
 from minisparse.relufy import relufy
-from minisparse.sparse_mlp import sparsify_
+from minisparse.sparse import sparsify_
 
 #: A tiny config whose rows are multiples of 32 (q8_0 blocks) and whose heads are grouped.
 SHAPE = {"dim": 64, "ffn_dim": 96, "head_dim": 16, "n_heads": 4, "n_kv_heads": 2}
@@ -78,7 +78,7 @@ def test_the_rope_permutation_is_what_makes_the_gguf_file_right(tmp_path, monkey
 
 
 def test_the_embedded_model_round_trips_through_hf_and_q8_0_gguf(embedded, tmp_path):
-    from minisparse.loading import embedded_gguf_path
+    from minisparse.io.loading import embedded_gguf_path
 
     model, tokenizer = embedded
     ids = torch.tensor([tokenizer("The KV cache stores the keys and values")["input_ids"]])
@@ -164,14 +164,14 @@ def test_a_placement_round_trips_through_its_file(tmp_path):
 def test_export_command_checks_its_arguments_before_loading(
     argv, message, monkeypatch, capsys, tmp_path
 ):
-    import minisparse.loading
+    import minisparse.io.loading
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file.txt").write_text("a user's file")
     (tmp_path / "checkpoint").mkdir()  # a downloaded model: config.json, but not an export
     (tmp_path / "checkpoint" / "config.json").write_text("{}")
-    monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(minisparse.io.loading, "load", lambda *a, **k: pytest.fail("loaded"))
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert (tmp_path / "busy" / "file.txt").read_text() == "a user's file"
@@ -237,7 +237,7 @@ def test_a_gguf_file_is_its_own_reference_for_the_benchmarks(monkeypatch):
     """``load_hf_reference`` reads a .gguf path (so `bench decode --model m.gguf` works)."""
     from pathlib import Path
 
-    import minisparse.loading as L
+    import minisparse.io.loading as L
 
     seen = []
     monkeypatch.setattr(L, "hf_from_gguf", lambda path: seen.append(path) or ("hf", "tok"))

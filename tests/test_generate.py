@@ -7,8 +7,8 @@ import torch
 
 from conftest import IdTokenizer, tiny_model
 from minisparse.bench import hf_greedy
-from minisparse.generate import encode_prompt, generate, logits_to_probs, next_token
-from minisparse.hf import to_hf
+from minisparse.core.generate import encode_prompt, generate, logits_to_probs, next_token
+from minisparse.io.hf import to_hf
 
 
 def test_cache_equals_no_cache_on_embedded_model(embedded):
@@ -128,7 +128,7 @@ def test_bad_sampling_arguments():
 
 
 def test_streamer_flushes_held_back_text_at_the_end():
-    from minisparse.generate import TextStreamer
+    from minisparse.core.generate import TextStreamer
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):

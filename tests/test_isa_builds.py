@@ -22,20 +22,20 @@ from test_decode import INT4_SHAPE, assert_close, low_bit, predicted_model
 from test_kernels import RTOL, int8_down, int8_rows, make_idx, randn, rel_err, seeded
 
 from conftest import tiny_model
-from minisparse.decode import Decoder
-from minisparse.decode_layers import declare_step_library
+from minisparse.core.model import make_cache
 from minisparse.kernels import cpu, cpu_int8, cpu_isa
 from minisparse.kernels.cpu_build import (
     BASE_FLAGS,
     LOOPS_SOURCE,
+    declare_loops,
     find_compiler,
     resolve_compiler,
     with_local_headers,
 )
-from minisparse.kernels.cpu_loops import declare_loops
 from minisparse.kernels.reference import gather_gemv_ref, sparse_ffn_ref, sparse_input_gemv_ref
-from minisparse.model import make_cache
-from minisparse.sparse_mlp import sparsify
+from minisparse.runtime.decoder import Decoder
+from minisparse.runtime.step import declare_step_library
+from minisparse.sparse import sparsify
 
 #: instruction set -> the flags that select its code in simd.h. "avx512-256": AVX-512 tuned for
 #: a core that prefers 256-bit vectors (the tuning GCC 12's -march=native picks on Intel Xeons
@@ -95,18 +95,18 @@ def isa(request) -> str:
 
 @pytest.fixture(scope="module")
 def library(isa, tmp_path_factory) -> ctypes.CDLL:
-    """decode_step.c compiled for the instruction set."""
-    source = with_local_headers((KERNELS / "decode_step.c").read_text())
+    """runtime/step.c compiled for the instruction set."""
+    source = with_local_headers((KERNELS.parent / "runtime" / "step.c").read_text())
     return build(source, declare_step_library, isa, tmp_path_factory.mktemp(f"decode-{isa}"))
 
 
 @pytest.fixture(scope="module")
 def loops(isa, tmp_path_factory) -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    """The float32 sparse loops (cpu_loops.py) and the int8 ones (sparse_int8.c)."""
+    """The float32 sparse loops (cpu.c) and the int8 ones (cpu_int8.c)."""
     folder = tmp_path_factory.mktemp(f"loops-{isa}")
     f32 = build(LOOPS_SOURCE, declare_loops, isa, folder)
     int8_folder = tmp_path_factory.mktemp(f"int8-{isa}")
-    int8 = with_local_headers((KERNELS / "sparse_int8.c").read_text())
+    int8 = with_local_headers((KERNELS / "cpu_int8.c").read_text())
     return f32, build(int8, cpu_int8.declare_int8_loops, isa, int8_folder)
 
 

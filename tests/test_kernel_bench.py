@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from minisparse import timing
 from minisparse.bench import kernels as KB
+from minisparse.measure import timing
 
 
 def test_bench_shape_rows_and_ratios():

@@ -25,7 +25,7 @@ from minisparse.kernels.reference import (
     sparse_ffn_ref,
     sparse_input_gemv_ref,
 )
-from minisparse.quant_tensor import QuantSpec, quantize_tensor
+from minisparse.quant.tensor import QuantSpec, quantize_tensor
 
 TRITON_GATHER = [kernels.gather_gemv, kernels.gather_gemv_naive]
 TRITON_FFN = [kernels.sparse_ffn, kernels.sparse_ffn_unfused]

@@ -62,7 +62,7 @@ def test_a_damaged_or_foreign_compiled_library_is_rebuilt_never_loaded(tmp_path,
     env = {"MINISPARSE_CACHE": str(tmp_path), "MINISPARSE_MARCH": "native"}
     first = run_python(LOAD_LOOPS, **env)
     assert first.stdout.strip() == "True", first.stderr
-    (lib,) = (tmp_path / "cpu_kernels").glob("sparse_gemv_*.so")
+    (lib,) = (tmp_path / "cpu_kernels").glob("cpu_[0-9a-f]*.so")
     good = lib.read_bytes()
     if damage == "garbage":
         lib.write_bytes(b"not a shared library")
@@ -104,7 +104,7 @@ def test_cache_folders_and_libraries_are_private_whatever_the_umask(tmp_path):
     assert proc.stdout.strip() == "True", proc.stderr
     folder = cache / "cpu_kernels"
     assert folder.stat().st_mode & 0o077 == 0
-    (lib,) = folder.glob("sparse_gemv_*.so")
+    (lib,) = folder.glob("cpu_[0-9a-f]*.so")
     assert (
         lib.stat().st_mode & 0o077 == 0 and lib.with_suffix(".sha256").stat().st_mode & 0o077 == 0
     )
@@ -269,7 +269,7 @@ def test_local_headers_are_pasted_into_the_source(tmp_path):
     assert text.startswith("#include <math.h>\nstatic int twice")
     assert '"shared.h"' not in text
     # the package's own C files compile from one text with the shared vector helpers in it
-    step = with_local_headers(cpu_build_source("decode_step.c"))
+    step = with_local_headers(cpu_build_source("step.c"))
     assert "load16_i8" in step and '#include "simd.h"' not in step
 
 
@@ -278,4 +278,33 @@ def cpu_build_source(name):
 
     import minisparse.kernels
 
-    return (Path(minisparse.kernels.__file__).parent / name).read_text()
+    return (Path(minisparse.kernels.__file__).parents[1] / "runtime" / name).read_text()
+
+
+def test_the_c_layout_of_every_struct_and_constant_matches_ctypes():
+    """abi.h and abi.py declare the same structs and constants: each compiled library reports
+    sizeof/offsetof as its compiler lays them out, and they equal ctypes' numbers."""
+    from minisparse.kernels import abi, cpu_int8
+    from minisparse.runtime.step import decode_library
+
+    libraries = [cpu_build.load_library(), cpu_int8.int8_library(), decode_library()]
+    if any(lib is None for lib in libraries):
+        pytest.skip("no C compiler here: nothing compiled to compare")
+    expected = abi.layout()
+    assert expected[:5] == [32, 0, 8, 16, 24]  # Mat: four 8-byte fields
+    for lib in libraries:
+        assert abi.c_layout(lib) == expected
+
+
+def test_the_layout_check_catches_a_field_ctypes_lacks(monkeypatch):
+    """Drop one field of a ctypes struct: the numbers no longer match the C side's."""
+    import ctypes
+
+    from minisparse.kernels import abi
+
+    class Short(ctypes.Structure):
+        _fields_ = abi.Slot._fields_[:1]
+
+    before = abi.layout()
+    monkeypatch.setattr(abi, "STRUCTS", (abi.Mat, Short, *abi.STRUCTS[2:]))
+    assert abi.layout() != before

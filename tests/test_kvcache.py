@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minisparse.attention import attention
-from minisparse.generate import generate
+from minisparse.core.attention import attention
+from minisparse.core.generate import generate
+from minisparse.core.model import make_cache
 from minisparse.kvcache import (
     BlockManager,
     H2OCache,
@@ -24,7 +25,6 @@ from minisparse.kvcache import (
     simulate_waste,
     token_nll,
 )
-from minisparse.model import make_cache
 
 
 class IdTokenizer:

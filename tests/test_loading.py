@@ -14,9 +14,9 @@ import torch
 
 import minisparse
 from conftest import save_tiny_hf
-from minisparse import loading
-from minisparse.hf import compare_logits
-from minisparse.loading import ModelLoadError, embedded_gguf_path, load
+from minisparse.io import loading
+from minisparse.io.hf import compare_logits
+from minisparse.io.loading import ModelLoadError, embedded_gguf_path, load
 
 
 def test_local_directory_loads_and_matches_transformers(tmp_path):
@@ -209,7 +209,7 @@ def test_unwritable_cache_warns_and_returns_the_model(tmp_path, monkeypatch, emb
 CONCURRENT_LOAD = """
 import sys, time, pathlib, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from minisparse import loading
+from minisparse.io import loading
 log = pathlib.Path(sys.argv[1])
 
 def slow_tiny_build(path):

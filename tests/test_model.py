@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minisparse.generate import generate
-from minisparse.hf import compare_logits, from_hf, to_hf
-from minisparse.kernels.cpu import fast_path_available
-from minisparse.model import (
+from minisparse.core.generate import generate
+from minisparse.core.model import (
     KVCache,
     Linear,
     RMSNorm,
@@ -22,6 +20,8 @@ from minisparse.model import (
     use_output_major_weights,
     use_streaming_gemv,
 )
+from minisparse.io.hf import compare_logits, from_hf, to_hf
+from minisparse.kernels.cpu import fast_path_available
 
 # (n_heads, n_kv_heads, head_dim, hidden, tied): MHA, GQA ratio 3, GQA ratio 4, MQA, odd head_dim
 HF_SHAPES = {
@@ -72,7 +72,7 @@ def test_embedded_model_matches_transformers(embedded, hf_reference):
     """minisparse's model (converted from transformers' dequantized GGUF) against transformers'
     model as the cache kept it: a fault in either conversion or in the cached reference fails."""
     model, tokenizer = embedded
-    from minisparse.data import corpus, token_batches
+    from minisparse.io.data import corpus, token_batches
 
     tokens = token_batches(tokenizer, corpus(split="eval"), seq_len=64, n=1)
     parity = compare_logits(model, hf_reference, tokens)
@@ -163,7 +163,7 @@ def test_kv_cache_scattered_positions():
 
 
 def test_bad_config_and_token_shape():
-    from minisparse.model import ModelConfig
+    from minisparse.core.model import ModelConfig
 
     with pytest.raises(ValueError, match="multiple of n_kv_heads"):
         ModelConfig(n_heads=9, n_kv_heads=2)

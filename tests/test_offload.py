@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minisparse import hybrid as H
 from minisparse import offload as O
-from minisparse import offload_time as T
-from minisparse.sparse_mlp import MaskedMLP, calibrate_thresholds, swap_mlps_
+from minisparse.offload import hybrid as H
+from minisparse.offload import time_model as T
+from minisparse.sparse import MaskedMLP, calibrate_thresholds, swap_mlps_
 
 TOKENS = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(0))
 

@@ -7,9 +7,9 @@ import torch
 
 from conftest import tiny_model
 from minisparse import predictors as P
-from minisparse.hooks import capture_inputs, capture_outputs
+from minisparse.core.hooks import capture_inputs, capture_outputs
 from minisparse.relufy import relufy
-from minisparse.sparse_mlp import MaskedMLP, SparseMLP, using_mlps
+from minisparse.sparse import MaskedMLP, SparseMLP, using_mlps
 
 
 def planted(seed: int, n: int = 3000, dim: int = 32, units: int = 48, rank: int = 4):

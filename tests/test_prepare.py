@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from minisparse import prepare as P
+from minisparse.course import prepare as P
 
 
 def read_fake(path):

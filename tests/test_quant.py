@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from conftest import tiny_model
 from minisparse.bench.quant import VARIANTS, bench_quant
 from minisparse.cli import main
-from minisparse.generate import generate
-from minisparse.gptq import gptq_quantize, hessian, output_error
-from minisparse.model import param_bytes
+from minisparse.core.generate import generate
+from minisparse.core.model import param_bytes
 from minisparse.quant import (
     ActQuantLinear,
     Int4Linear,
@@ -27,7 +26,8 @@ from minisparse.quant import (
     quantize_tensor,
     streamed_bytes,
 )
-from minisparse.smoothing import (
+from minisparse.quant.gptq import gptq_quantize, hessian, output_error
+from minisparse.quant.smoothing import (
     awq_search,
     fold_scales,
     smooth_model,
@@ -179,7 +179,7 @@ def test_folding_scales_leaves_a_layer_unchanged(n_kv_heads):
         )
     x = torch.randn(2, 9, 48, generator=gen, dtype=torch.float64)
     pos = torch.arange(9)
-    from minisparse.rope import rope_cos_sin
+    from minisparse.core.rope import rope_cos_sin
 
     cos, sin = rope_cos_sin(model.inv_freq, pos, x.dtype)
     with torch.no_grad():

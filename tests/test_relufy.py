@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from minisparse import finetune as F
-from minisparse import machine
-from minisparse.hf import compare_logits, to_hf
+from minisparse.io.hf import compare_logits, to_hf
+from minisparse.measure import machine
+from minisparse.relufy import finetune as F
 from minisparse.relufy import (
     load_relufied,
     relufied_stage,
@@ -175,7 +175,7 @@ def test_bf16_autocast_is_used_only_where_the_hardware_has_it(monkeypatch, flags
 
 def test_relufy_and_finetune_reuses_given_measurements(tmp_path, monkeypatch):
     """Measurements the caller already has are reported as given, and not taken again."""
-    from minisparse import relufy as R
+    from minisparse.relufy import recipe as R
 
     calls = []
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minisparse.model import ModelConfig
-from minisparse.rope import (
+from minisparse.core.model import ModelConfig
+from minisparse.core.rope import (
     alibi_bias,
     alibi_slopes,
     interpolated_inv_freq,
@@ -19,7 +19,7 @@ from minisparse.rope import (
     rope_inv_freq,
     rotate,
 )
-from minisparse.tolerance import rope_bound
+from minisparse.measure.tolerance import rope_bound
 
 
 def test_rope_equals_transformers_rotary_for_the_embedded_config():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import minisparse.loading
+import minisparse.io.loading
 from conftest import tiny_model
 from minisparse.bench import sparse_decode
 from minisparse.bench.sparse_decode import default_method, mlp_inputs, set_density_
@@ -22,12 +22,12 @@ from minisparse.bench.sparse_steps import (
     thresholded_step_bytes,
 )
 from minisparse.cli import main
+from minisparse.core.model import make_cache
 from minisparse.engine import sparse_model, step_bytes
-from minisparse.eval import perplexity
-from minisparse.machine import machine
-from minisparse.model import make_cache
-from minisparse.predictor import Predictor, init_random
+from minisparse.io.eval import perplexity
+from minisparse.measure.machine import machine
 from minisparse.predictors import Predictors, model_fingerprint
+from minisparse.predictors.lowrank import Predictor, init_random
 from minisparse.sparsity import apply_thresholds_
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
@@ -168,7 +168,7 @@ class CharTokenizer:
 
 def test_cli_json_prints_one_object_with_every_key(monkeypatch, capsys, empty_cache):
     model = tiny_model(seed=5, max_seq_len=512)
-    monkeypatch.setattr(minisparse.loading, "load", lambda *a, **k: (model, CharTokenizer()))
+    monkeypatch.setattr(minisparse.io.loading, "load", lambda *a, **k: (model, CharTokenizer()))
     monkeypatch.setattr(sparse_decode, "machine", lambda: machine(measure_bandwidth=False))
     argv = ["bench", "sparse-decode", "--max-new-tokens", "6", "--repeats", "1", "--json"]
     assert main(argv) == 0

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minisparse import sparse_mlp as S
+from minisparse import sparse as S
+from minisparse.core.model import MLP, ModelConfig, Transformer
 from minisparse.kernels import cpu_int8
-from minisparse.model import MLP, ModelConfig, Transformer
 from minisparse.quant import quantize_model
-from minisparse.sparse_mlp_weights import dequantized_mlp, int8_mlp
+from minisparse.sparse.weights import dequantized_mlp, int8_mlp
 
 
 def tiny(act: str = "silu", seed: int = 0) -> Transformer:
@@ -231,7 +231,7 @@ def test_embedded_model_sparse_logits_match(embedded):
     model is compared with the float64 masked model, and held to dense fp32's own accuracy."""
     import copy
 
-    from minisparse.data import corpus, token_batches
+    from minisparse.io.data import corpus, token_batches
 
     model, tokenizer = embedded
 

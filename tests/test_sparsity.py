@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from conftest import tiny_model
 from minisparse import sparsity as S
-from minisparse.eval import mean_nll
-from minisparse.hooks import capture_outputs
-from minisparse.model import flops_per_token
+from minisparse.core.hooks import capture_outputs
+from minisparse.core.model import flops_per_token
+from minisparse.io.eval import mean_nll
 from minisparse.relufy import relufy
 
 

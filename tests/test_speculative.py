@@ -14,8 +14,9 @@ import torch
 
 from conftest import tiny_model
 from minisparse import speculative as S
-from minisparse.generate import generate, logits_to_probs
-from minisparse.model import make_cache, rope_cos_sin
+from minisparse.core.generate import generate, logits_to_probs
+from minisparse.core.model import make_cache, rope_cos_sin
+from minisparse.speculative import loop as speculative_loop
 
 VOCAB = 97
 
@@ -242,7 +243,7 @@ def test_verify_sampled_first_token_has_target_law(monkeypatch, deterministic_dr
     q = None if deterministic_draft else p[:2].flip(-1)
     counts = sample_first_tokens(p, q, 4000, seed=2)
     assert chi_square_pvalue(counts, p[0]) > 1e-3
-    monkeypatch.setattr(S, "residual_distribution", wrong_residual)
+    monkeypatch.setattr(speculative_loop, "residual_distribution", wrong_residual)
     counts = sample_first_tokens(p, q, 4000, seed=2)
     assert chi_square_pvalue(counts, p[0]) < 1e-6  # the test has the power to catch it
 
@@ -278,7 +279,7 @@ def test_speculative_sampling_matches_target_end_to_end(monkeypatch):
     law = exact_two_token_law(target, ids, temperature)
     counts = speculative_two_token_counts(target, draft, ids, 2000, temperature)
     assert chi_square_pvalue(counts, law) > 1e-3
-    monkeypatch.setattr(S, "residual_distribution", wrong_residual)
+    monkeypatch.setattr(speculative_loop, "residual_distribution", wrong_residual)
     counts = speculative_two_token_counts(target, draft, ids, 2000, temperature)
     assert chi_square_pvalue(counts, law) < 1e-6
 

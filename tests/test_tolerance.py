@@ -1,5 +1,5 @@
-"""The float32 error bounds (minisparse.tolerance): they hold against float64 on fresh random
-inputs, and the mistakes the checks that use them guard against break them."""
+"""The float32 error bounds (minisparse.measure.tolerance): they hold against float64 on fresh
+random inputs, and the mistakes the checks that use them guard against break them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisparse.rope import rope_inv_freq, rotate
-from minisparse.tolerance import U32, attention_bound, gamma, rope_bound
+from minisparse.core.rope import rope_inv_freq, rotate
+from minisparse.measure.tolerance import U32, attention_bound, gamma, rope_bound
 
 
 def test_gamma_is_the_sum_bound_and_refuses_huge_n():

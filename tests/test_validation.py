@@ -18,9 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import minisparse.loading
+import minisparse.io.loading
 from conftest import IdTokenizer, tiny_config, tiny_model
-from minisparse import finetune as F
 from minisparse import kvcache as K
 from minisparse import predictors as P
 from minisparse import quant as Q
@@ -28,10 +27,11 @@ from minisparse import sparsity as S
 from minisparse import speculative as SP
 from minisparse.bench import speculative as SB
 from minisparse.cli import main
-from minisparse.generate import encode_prompt, generate, next_token
-from minisparse.model import ModelConfig, make_cache
+from minisparse.core.generate import encode_prompt, generate, next_token
+from minisparse.core.model import ModelConfig, make_cache
+from minisparse.course.tour import FIGURE_NAME, figure_path
+from minisparse.relufy import finetune as F
 from minisparse.relufy import relufy, relufy_and_finetune
-from minisparse.tour import FIGURE_NAME, figure_path
 
 MODEL = tiny_model(seed=3)  # vocab 97, 2 layers, context 96; no case changes it
 TOK = IdTokenizer()
@@ -316,8 +316,8 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(minisparse.loading, "load", refuse)
-    monkeypatch.setattr(minisparse.loading, "load_hf_reference", refuse)
+    monkeypatch.setattr(minisparse.io.loading, "load", refuse)
+    monkeypatch.setattr(minisparse.io.loading, "load_hf_reference", refuse)
 
 
 CLI_CASES: list[tuple[list[str], str]] = [

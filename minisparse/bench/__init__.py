@@ -19,7 +19,7 @@ Each benchmark's ``run`` prints ``minisparse.machine.machine().line()`` first an
 ``machine().as_dict()`` into its ``--json`` file: a speed means little without the machine.
 """
 
-from ..timing import (
+from ..measure.timing import (
     ModelSpeed,
     copy_bandwidth,
     interleaved_decode,

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ..machine import machine
-from ..model import check_count
-from ..timing import ModelSpeed, interleaved_decode
+from ..core.model import check_count
+from ..measure.machine import machine
+from ..measure.timing import ModelSpeed, interleaved_decode
 
 __all__ = [
     "PROMPT",
@@ -102,7 +102,7 @@ def bench_decode(
     The two loops alternate within each repeat so that machine noise hits both alike.
     ``compiled`` picks minisparse's decode steps (``generate(compiled=...)``).
     """
-    from ..generate import encode_prompt, generate, stop_ids
+    from ..core.generate import encode_prompt, generate, stop_ids
 
     ids = encode_prompt(tokenizer, prompt)
     eos = sorted(stop_ids(model, tokenizer))
@@ -139,7 +139,7 @@ def bench_decode_models(
 ) -> dict[str, ModelSpeed]:
     """Greedy decode tokens/s of several minisparse models on one prompt, side by side
     (``compiled``: ``generate``'s decode steps)."""
-    from ..generate import encode_prompt, generate
+    from ..core.generate import encode_prompt, generate
 
     ids = encode_prompt(tokenizer, prompt)
     runs = {
@@ -182,8 +182,8 @@ def bench_decode_sparse(
     sparse MLPs for the prompt too. ``mean_density`` is the fraction of neurons read at the last
     decode step of a run (mean over layers), averaged over the runs.
     """
-    from ..generate import generate
-    from ..sparse_mlp import mean_density, swap_mlps
+    from ..core.generate import generate
+    from ..sparse.mlp import mean_density, swap_mlps
 
     dense = [layer.mlp for layer in model.layers]
     densities = []
@@ -330,7 +330,7 @@ def check_decode_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """minisparse's decode paths against transformers (and llama.cpp); 1 if tokens differ."""
-    from ..loading import load, resolve_device
+    from ..io.loading import load, resolve_device
 
     check_decode_arguments(args)
     resolve_device(args.device)
@@ -375,7 +375,7 @@ def cpu_kind(run: dict[str, Any]) -> tuple[str, str]:
 def record_run(path: Path, payload: dict[str, Any]) -> None:
     """Add ``payload`` to the runs file at ``path`` (``{"about": ..., "runs": [...]}``) in place
     of a run on the same kind of CPU at the same weights; written atomically."""
-    from ..cache import atomic_write_text
+    from ..io.cache import atomic_write_text
 
     data = json.loads(path.read_text()) if path.exists() else {"about": "", "runs": []}
     key = (cpu_kind(payload), payload["weights"])
@@ -388,8 +388,8 @@ def transformers_rows(
     args: argparse.Namespace, model: Any, tokenizer: Any
 ) -> dict[str, dict[str, Any]]:
     """minisparse's three decode paths, each beside transformers' ``generate``, printed."""
-    from ..loading import load_hf_reference
-    from ..model import use_streaming_gemv
+    from ..core.model import use_streaming_gemv
+    from ..io.loading import load_hf_reference
 
     print("loading transformers' own model for the same checkpoint ...", flush=True)
     hf_model, _ = load_hf_reference(args.model)
@@ -421,9 +421,9 @@ def print_llama_cpp_row(
     """llama.cpp on the model's GGUF file (``--gguf``, or the file ``--model`` names) beside
     our compiled decode of the same prompt at ``--weights``, alternating within each repeat,
     when llama-cpp-python is installed. A crash of llama.cpp prints why and returns None."""
-    from ..engine import step_bytes
-    from ..generate import generate
-    from ..loading import embedded_gguf_path
+    from ..core.generate import generate
+    from ..engine.compose import step_bytes
+    from ..io.loading import embedded_gguf_path
     from .llama_cpp import LlamaCppDied
 
     gguf = args.gguf or (Path(args.model) if args.model.endswith(".gguf") else None)
@@ -437,7 +437,7 @@ def print_llama_cpp_row(
         return None
     ours = model
     if args.weights != "fp32":
-        from ..engine import low_bit
+        from ..engine.compose import low_bit
 
         ours = low_bit(model, args.weights)  # the engine's int8 / int4 weights
     n = args.max_new_tokens

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..checks import check_count
-from ..engine import EngineConfig, build
-from ..machine import machine
-from ..timing import interleaved_decode_steps
+from ..core.checks import check_count
+from ..engine.compose import EngineConfig, build
+from ..measure.machine import machine
+from ..measure.timing import interleaved_decode_steps
 from .speculative import PROMPTS
 
 __all__ = [
@@ -76,7 +76,7 @@ class EngineRow:
 
 
 def relu_model_cached() -> bool:
-    from ..relufy import result_dir
+    from ..relufy.recipe import result_dir
 
     return (result_dir(1, "mlp") / "model.safetensors").exists()
 
@@ -147,7 +147,7 @@ def engine_perplexity(engine: Any, eval_ids: torch.Tensor, seq_len: int = 256) -
     for (``Engine.dense_model``) runs with each token's MLP masked to its own prediction
     (``sparse_perplexity``), as a decode step computes.
     """
-    from ..eval import perplexity
+    from ..io.eval import perplexity
     from .sparse_steps import sparse_perplexity
 
     if engine.dense_model is not None:
@@ -183,8 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import corpus, encode, token_batches
-    from ..loading import load
+    from ..io.data import corpus, encode, token_batches
+    from ..io.loading import load
 
     check_count(args.max_new_tokens, "--max-new-tokens")
     check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")

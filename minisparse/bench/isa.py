@@ -1,6 +1,6 @@
 """Benchmark: the decode step compiled for each instruction-set target, side by side.
 
-``minisparse bench isa`` compiles ``decode_step.c`` for every target this CPU runs (the host's
+``minisparse bench isa`` compiles ``runtime/step.c`` for every target this CPU runs (the host's
 own ``-march=native``, ``x86-64-v3`` = AVX2 + FMA, ``x86-64-v2`` = SSE4.2) and decodes the same
 prompt greedily with each build, the builds alternating within every repeat (median of
 repeats, warm-up first), for float32, int8 and 4-bit weights. Each row prints tokens/s, the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..machine import machine
-from ..timing import interleaved_decode
+from ..measure.machine import machine
+from ..measure.timing import interleaved_decode
 from .decode import PROMPT, check_decode_arguments
 
 __all__ = ["IsaRow", "add_arguments", "bench_isa", "main", "run"]
@@ -57,10 +57,10 @@ def bench_isa(
 ) -> list[IsaRow]:
     """Greedy decode tokens/s of every target's build of the decode step, per weight format
     (the native build first in each format)."""
-    from ..decode_layers import declare_step_library
-    from ..engine import low_bit, step_bytes
+    from ..engine.compose import low_bit, step_bytes
     from ..kernels.cpu_build import build_choice, build_for, find_compiler, resolve_compiler
     from ..kernels.cpu_isa import available_targets
+    from ..runtime.step import SOURCE, declare_step_library
     from .sparse_steps import greedy_steps
 
     compiler = resolve_compiler(find_compiler() or "")
@@ -70,7 +70,7 @@ def bench_isa(
     libs = {}
     for target in available_targets():
         try:
-            libs[target] = build_for(compiler, "decode_step.c", target, declare_step_library)
+            libs[target] = build_for(compiler, SOURCE, target, declare_step_library)
         except (RuntimeError, OSError, AttributeError) as err:  # e.g. an older compiler
             if target == "native":
                 raise
@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table; 1 when a build's tokens differ from the native build's."""
-    from ..generate import encode_prompt
-    from ..loading import load
+    from ..core.generate import encode_prompt
+    from ..io.loading import load
 
     check_decode_arguments(args)
     about = machine()

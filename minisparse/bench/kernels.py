@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..core.model import check_count
 from ..kernels.workloads import FFNWeights, check_sparsity, random_active_sets, random_ffn
-from ..machine import machine
-from ..model import check_count
-from ..timing import copy_bandwidth, interleaved_medians
+from ..measure.machine import machine
+from ..measure.timing import copy_bandwidth, interleaved_medians
 
 __all__ = [
     "KERNELS",

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..machine import machine
-from ..model import Transformer, check_count, use_output_major_weights
-from ..quant import QuantSpec, quantize_model, streamed_bytes
-from ..timing import interleaved_medians, read_bandwidth, roofline_seconds
+from ..core.model import Transformer, check_count, use_output_major_weights
+from ..measure.machine import machine
+from ..measure.timing import interleaved_medians, read_bandwidth, roofline_seconds
+from ..quant.apply import QuantSpec, quantize_model, streamed_bytes
 from .decode import bench_decode_models
 
 __all__ = [
@@ -271,7 +271,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load
+    from ..io.loading import load
 
     check_arguments(args)
     about = machine()

@@ -32,18 +32,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_count
-from ..data import corpus, encode, token_batches
-from ..engine import load_selector, sparse_model
-from ..generate import encode_prompt
-from ..hooks import capture_inputs
-from ..machine import machine
-from ..model import Transformer, init_weights_
-from ..model_config import ModelConfig
-from ..predictor import Predictor, init_random
+from ..core.checks import check_count
+from ..core.config import ModelConfig
+from ..core.generate import encode_prompt
+from ..core.hooks import capture_inputs
+from ..core.model import Transformer, init_weights_
+from ..course.prepare import _relu_predictors
+from ..engine.compose import load_selector, sparse_model
+from ..io.data import corpus, encode, token_batches
+from ..measure.machine import machine
 from ..predictors import Predictors
-from ..prepare import _relu_predictors
-from ..relufy import load_relufied
+from ..predictors.lowrank import Predictor, init_random
+from ..relufy.recipe import load_relufied
 from ..sparsity import apply_thresholds_, calibrate_thresholds
 from .engine import relu_model_cached
 from .sparse_steps import SITE_PROJECTIONS, SparseDecodeResult, bench_sparse_decode
@@ -217,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _real_model(args: argparse.Namespace, method: str) -> SparseDecodeResult:
-    from ..loading import load  # looked up at each run: tests put a tiny model in its place
+    from ..io.loading import load  # looked up at each run: tests put a tiny model in its place
 
     sparsity = 0.5 if args.sparsity is None else args.sparsity[0]
     base, tokenizer = load("smollm2-135m", device="cpu")

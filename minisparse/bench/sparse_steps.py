@@ -29,19 +29,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..decode import Decoder
-from ..engine import step_bytes
-from ..eval import perplexity
-from ..generate import check_length
-from ..hooks import capture_outputs, zero_fraction
-from ..kvcache import make_kv_cache
-from ..model import Transformer
-from ..predictors import Predictors
-from ..predictors_pipeline import predicted_masks_applied
-from ..quant import streamed_bytes
-from ..sparse_mlp import SparseMLP
+from ..core.generate import check_length
+from ..core.hooks import capture_outputs, zero_fraction
+from ..core.model import Transformer
+from ..engine.compose import step_bytes
+from ..io.eval import perplexity
+from ..kvcache.contiguous import make_kv_cache
+from ..measure.timing import interleaved_decode
+from ..predictors import LayerSelect, Predictors
+from ..predictors.pipeline import predicted_masks_applied
+from ..quant.apply import streamed_bytes
+from ..runtime.decoder import Decoder
+from ..sparse.mlp import SparseMLP
 from ..sparsity import SLOTS, MagnitudeThreshold
-from ..timing import interleaved_decode
 
 __all__ = [
     "SITE_PROJECTIONS",
@@ -107,9 +107,8 @@ def called_predictors(model: Transformer) -> tuple[Predictors | None, list[nn.Mo
     owner, found = None, {}
     for m in model.modules():
         select = m.select if isinstance(m, SparseMLP) else None
-        candidate = getattr(getattr(select, "func", None), "__self__", None)
-        if isinstance(candidate, Predictors):
-            owner, layer = candidate, candidate.neurons[select.args[0]]
+        if isinstance(select, LayerSelect):
+            owner, layer = select.owner, select.predictor
             found[id(layer)] = layer
     return owner, list(found.values())
 
@@ -150,7 +149,7 @@ def greedy_steps(
     model: Transformer, prompt_ids: list[int], n: int, lib: Any = None
 ) -> tuple[int, Callable]:
     """The greedy token after the prompt, and a function that decodes the n after it with
-    compiled decode steps (``lib``: a build of ``decode_step.c``, default the chosen one)."""
+    compiled decode steps (``lib``: a build of ``runtime/step.c``, default the chosen one)."""
     kv, first = prefill(model, prompt_ids, n)
     decoder, pos = Decoder(model, kv, lib), len(prompt_ids)
 

@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
-from ..decode import MAX_TOKENS, Decoder
-from ..generate import encode_prompt, generate
-from ..machine import machine
-from ..model import Transformer, check_count, make_cache
+from ..core.generate import encode_prompt, generate
+from ..core.model import Transformer, check_count, make_cache
+from ..measure.machine import machine
+from ..measure.timing import interleaved_decode_steps, interleaved_medians
+from ..runtime.decoder import MAX_TOKENS, Decoder
 from ..sparsity import check_sparsity
-from ..speculative import (
+from ..speculative.loop import (
     Draft,
     ModelDraft,
     early_exit_draft,
@@ -44,7 +45,6 @@ from ..speculative import (
     sparse_draft,
     speculative_generate,
 )
-from ..timing import interleaved_decode_steps, interleaved_medians
 
 __all__ = [
     "DRAFTS",
@@ -126,7 +126,7 @@ def make_drafts(
         elif name == "int8":
             drafts[name] = int8_draft(model)
         elif name == "sparse":
-            from ..data import corpus, token_batches
+            from ..io.data import corpus, token_batches
 
             calibration = token_batches(tokenizer, corpus(split="train"), 128, 2)
             drafts[name] = sparse_draft(model, calibration, sparsity)
@@ -363,7 +363,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load, resolve_device
+    from ..io.loading import load, resolve_device
 
     check_arguments(args)
     resolve_device(args.device)

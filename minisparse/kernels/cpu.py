@@ -15,7 +15,7 @@ there on a CPU takes three things, each one measured in the chapter's benchmark:
    miss and a page walk that a dense stream amortises. Weights placed in 2 MiB transparent
    huge pages (``hugepage_copy``; Linux, ``madvise(MADV_HUGEPAGE)``) remove most of them.
 
-The loops are a few lines of C (``minisparse.kernels.cpu_loops``: the prefetch, and the
+The loops are a few lines of C (``cpu.c`` beside this file: the prefetch, and the
 column-sparse loop's sums in groups of eight), compiled on first use with the system C compiler
 into minisparse's cache and loaded with ctypes (``minisparse.kernels.cpu_build``; its names can
 be imported from here too). The parallel loops take their thread count from
@@ -37,10 +37,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from .abi import BAD_INDEX, NO_MEMORY
 from .cpu_build import (
     BASE_FLAGS,
     FLAG_LADDER,
@@ -53,7 +55,6 @@ from .cpu_build import (
     load_source_library,
     resolve_compiler,
 )
-from .cpu_loops import BAD_INDEX, C_SOURCE, NO_MEMORY
 from .reference import apply_activation, gather_gemv_ref
 from .validate import (
     check_ffn,
@@ -70,6 +71,8 @@ from .validate import (
 
 HUGE_PAGE = 2 * 2**20
 MADV_HUGEPAGE = 14
+
+C_SOURCE = (Path(__file__).parent / "cpu.c").read_text()  # the loops, as written
 
 
 def fast_path_available() -> bool:

@@ -1,7 +1,7 @@
 """Building the CPU fast path: find a C compiler, compile once into the cache, load with ctypes.
 
-The loops of ``minisparse.kernels.cpu_loops`` (and other C files of this package, such as
-``decode_step.c``) are compiled on first use with the system C compiler (``$CC``, else
+The sparse loops (``kernels/cpu.c``) and the other C files of this package (``kernels/cpu_int8.c``,
+``runtime/step.c``) are compiled on first use with the system C compiler (``$CC``, else
 ``cc``/``gcc``/``clang``) into minisparse's cache and loaded with ctypes. Building takes a few
 seconds; every later process finds the compiled file and loads it in milliseconds.
 
@@ -44,15 +44,18 @@ from pathlib import Path
 import torch
 
 from .cpu_isa import Choice, available_targets, chosen_target, declare_probe
-from .cpu_loops import C_SOURCE, declare_loops
 
 __all__ = [
     "BASE_FLAGS",
     "FLAG_LADDER",
+    "LOOPS",
+    "LOOPS_SOURCE",
+    "PROBE_SOURCE",
     "Compiler",
     "build_choice",
     "cache_dir",
     "cpu_identity",
+    "declare_loops",
     "describe_build",
     "find_compiler",
     "flag_ladder",
@@ -60,6 +63,7 @@ __all__ = [
     "load_library",
     "load_source_library",
     "resolve_compiler",
+    "source_text",
     "with_local_headers",
 ]
 
@@ -93,7 +97,7 @@ class Compiler:
 
 def cache_dir() -> Path:
     """Where compiled kernels live: ``cpu_kernels`` in minisparse's cache directory."""
-    from ..cache import cache_dir as minisparse_cache_dir
+    from ..io.cache import cache_dir as minisparse_cache_dir
 
     return minisparse_cache_dir() / "cpu_kernels"
 
@@ -146,18 +150,45 @@ def with_local_headers(source: str, folder: Path | None = None) -> str:
 
     The libraries are compiled from one text in a temporary folder (and cached under a hash
     of that text), so a shared header is pasted in rather than found on an include path; its
-    changes then change the cache key too.
+    changes then change the cache key too. A header that includes another (``sparse_rows.h``
+    includes ``abi.h``) has it pasted in turn, once: the first paste of a header wins, a later
+    include of it is dropped (as an include guard would).
     """
     folder = folder or Path(__file__).parent
+    pasted: set[str] = set()
 
     def paste(match: re.Match[str]) -> str:
-        return (folder / match.group(1)).read_text()
+        name = match.group(1)
+        if name in pasted:
+            return ""
+        pasted.add(name)
+        return with_pasted((folder / name).read_text())
 
-    return re.sub(r'^#include "([\w.]+\.h)"$', paste, source, flags=re.MULTILINE)
+    def with_pasted(text: str) -> str:
+        return re.sub(r'^#include "([\w.]+\.h)"$', paste, text, flags=re.MULTILINE)
+
+    return with_pasted(source)
 
 
-# The sparse loops' text with simd.h pasted in: what is compiled and hashed.
-LOOPS_SOURCE = with_local_headers(C_SOURCE)
+def source_text(filename: str) -> str:
+    """A C file of the package (``kernels/cpu.c``, ``runtime/step.c``: relative to the package)
+    with its local headers pasted in: what is compiled and hashed."""
+    return with_local_headers((Path(__file__).parents[1] / filename).read_text())
+
+
+LOOPS = "kernels/cpu.c"  # the sparse loops, the default library
+PROBE_SOURCE = "runtime/step.c"  # the decode step, whose isa_probe chooses the build
+LOOPS_SOURCE = source_text(LOOPS)
+
+
+def declare_loops(lib: ctypes.CDLL) -> None:
+    """Argument and result types of ``cpu.c``'s functions (ctypes trusts them)."""
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    gemv_args = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int, c_int]
+    for fn in (lib.gather_gemv_f32, lib.scatter_gemv_f32):
+        fn.argtypes, fn.restype = gemv_args, c_int
+    lib.team_size.argtypes, lib.team_size.restype = [c_int], c_int
+    lib.built_with_openmp.argtypes, lib.built_with_openmp.restype = [], c_int
 
 
 def library_key(compiler: Compiler, source: str = LOOPS_SOURCE, target: str = "native") -> str:
@@ -203,7 +234,7 @@ def _compile(compiler: Compiler, out: Path, source: str, target: str) -> None:
     alone (0700), whatever the umask."""
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(out.parent, 0o700)  # the libraries' own folder: private even if made before
-    from ..cache import sweep_temporaries
+    from ..io.cache import sweep_temporaries
 
     sweep_temporaries(out.parent)  # what killed compiles left, once it is an hour old
     with tempfile.TemporaryDirectory(dir=out.parent, suffix=".tmp") as tmp:
@@ -250,11 +281,6 @@ def _open(
         return lib
 
 
-def source_text(filename: str) -> str:
-    """A C file of this package with its local headers pasted in: what is compiled and hashed."""
-    return with_local_headers((Path(__file__).parent / filename).read_text())
-
-
 def build_for(
     compiler: Compiler,
     filename: str,
@@ -262,8 +288,7 @@ def build_for(
     declare: Callable[[ctypes.CDLL], None] = lambda lib: None,
 ) -> ctypes.CDLL:
     """``filename`` compiled for ``target`` (cached under its key), loaded and declared."""
-    source = LOOPS_SOURCE if filename == "cpu_loops" else source_text(filename)
-    stem = "sparse_gemv" if filename == "cpu_loops" else Path(filename).stem
+    source, stem = source_text(filename), Path(filename).stem
     key = library_key(compiler, source, target)
     return _open(compiler, cache_dir() / f"{stem}_{key}.so", source, target, declare)
 
@@ -284,12 +309,10 @@ def build_choice() -> Choice | None:
     if compiler is None:
         return None
     targets = available_targets()
-    saved = (
-        cache_dir() / f"march_{library_key(compiler, source_text('decode_step.c'), 'auto')}.json"
-    )
+    saved = cache_dir() / f"march_{library_key(compiler, source_text(PROBE_SOURCE), 'auto')}.json"
     return chosen_target(
         targets,
-        lambda t: build_for(compiler, "decode_step.c", t, declare_probe),
+        lambda t: build_for(compiler, PROBE_SOURCE, t, declare_probe),
         saved,
         torch.get_num_threads(),
     )
@@ -324,7 +347,7 @@ def load_library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        lib = build_for(compiler, "cpu_loops", choice.target, declare_loops)
+        lib = build_for(compiler, LOOPS, choice.target, declare_loops)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as err:
         warnings.warn(
             f"Compiling minisparse's CPU sparse kernels with {compiler.path!r} failed ({err}); "
@@ -346,7 +369,7 @@ def load_library() -> ctypes.CDLL | None:
 def load_source_library(
     filename: str, declare: Callable[[ctypes.CDLL], None]
 ) -> ctypes.CDLL | None:
-    """Another C file of this package (e.g. ``decode_step.c``), compiled like the sparse
+    """Another C file of this package (e.g. ``runtime/step.c``), compiled like the sparse
     loops (same compiler, flags and cache key rules) and declared by ``declare``; None when the
     fast path is unavailable (after the one warning ``load_library`` gives)."""
     if load_library() is None:

@@ -19,9 +19,10 @@ Two products, both accumulated in float32:
 ``sparse_ffn_i8`` runs the gated FFN over the neurons idx with both, fused in one C call:
 y = s_down * sum_{j in idx} act(s_gate[j] q_gate[j] . x) (s_up[j] q_up[j] . x) q_down_t[j].
 
-The loops (``sparse_int8.c``) are those of the float32 fast path with the codes widened to floats
-in registers; they are compiled on first use like it (``cpu_build.load_source_library``) and
-take their thread count from ``torch.get_num_threads()``. Without a compiler, off the CPU, for
+The loops (``cpu_int8.c``, beside this file) are those of the float32 fast path with the codes
+widened to floats in registers; they are compiled on first use like it
+(``cpu_build.load_source_library``) and take their thread count from
+``torch.get_num_threads()``. Without a compiler, off the CPU, for
 other activation dtypes, and for more than ``LOOP_MAX_BATCH`` tokens (a long prompt, where a
 matrix product over the dequantized rows is faster: on the course's CPU the loops win up to
 about 100 tokens), torch computes the same: the selected rows are dequantized, x̂ = s q, and
@@ -36,6 +37,7 @@ import functools
 import torch
 from torch import Tensor
 
+from .abi import ACT_CODES
 from .cpu import _raise_for, _threads
 from .cpu_build import load_source_library
 from .reference import accumulation_dtype, apply_activation
@@ -50,7 +52,6 @@ from .validate import (
 )
 
 __all__ = [
-    "ACT_CODES",
     "LOOP_MAX_BATCH",
     "check_codes",
     "check_scale",
@@ -64,12 +65,11 @@ __all__ = [
     "sparse_input_gemv_i8",
 ]
 
-ACT_CODES = {"silu": 0, "relu": 1, "gelu": 2}  # as the #defines of sparse_int8.c
 LOOP_MAX_BATCH = 64  # more tokens than this: dequantized rows and a matrix product
 
 
 def declare_int8_loops(lib: ctypes.CDLL) -> None:
-    """Argument and result types of the C functions of ``sparse_int8.c``."""
+    """Argument and result types of the C functions of ``cpu_int8.c``."""
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     gemv = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, c_int, c_int]
     for fn in (lib.gather_gemv_i8, lib.scatter_gemv_i8):
@@ -81,7 +81,7 @@ def declare_int8_loops(lib: ctypes.CDLL) -> None:
 @functools.lru_cache(maxsize=1)
 def int8_library() -> ctypes.CDLL | None:
     """The compiled int8 loops, or None without a C compiler (after the one warning)."""
-    return load_source_library("sparse_int8.c", declare_int8_loops)
+    return load_source_library("kernels/cpu_int8.c", declare_int8_loops)
 
 
 def int8_fast_path_available() -> bool:

@@ -7,7 +7,7 @@ core, and the tuning can lose. GCC 12 on an Intel Xeon with AVX-512 resolves ``n
 ``x86-64-v3`` (AVX2 + FMA) ran at 45. ``simd.h`` now names the 512-bit registers, but a
 build can always lose to another for reasons of its own, so nothing is taken on trust:
 
-* ``chosen_target`` picks the build. On first use it compiles ``decode_step.c`` for the host
+* ``chosen_target`` picks the build. On first use it compiles ``runtime/step.c`` for the host
   (``native``) and for ``x86-64-v3`` when the CPU has it, times the file's ``isa_probe``
   workload with each (the products of a decode step: float32 rows and columns, int8 and 4-bit
   rows, one and five tokens), the two alternating, median of repeats, and keeps the faster;
@@ -112,7 +112,7 @@ def requested_target() -> str:
 
 
 def declare_probe(lib: ctypes.CDLL) -> None:
-    """ctypes types of ``decode_step.c``'s ``isa_probe(rows, reps, threads, &seconds) ->
+    """ctypes types of ``runtime/step.c``'s ``isa_probe(rows, reps, threads, &seconds) ->
     checksum``."""
     lib.isa_probe.argtypes = [
         ctypes.c_int64,
@@ -164,7 +164,7 @@ def _read(path: Path) -> Choice | None:
 
 def _write(path: Path, choice: Choice) -> None:
     """Save atomically; a failure (a read-only cache, a full disk) only costs a re-measure."""
-    from ..cache import atomic_write_text
+    from ..io.cache import atomic_write_text
 
     try:
         atomic_write_text(path, json.dumps(asdict(choice)))
@@ -181,7 +181,7 @@ def chosen_target(
     """The target to compile every kernel for (see the module docstring).
 
     ``candidates``: what this CPU runs (``available_targets``); ``build(target)`` compiles and
-    loads ``decode_step.c`` for a target (cached like every library); ``saved``: the file that
+    loads ``runtime/step.c`` for a target (cached like every library); ``saved``: the file that
     keeps the choice for this source, compiler and CPU.
     """
     requested = requested_target()
@@ -197,7 +197,7 @@ def chosen_target(
         return Choice("native", "the only build for this CPU", {})
     if (choice := _read(saved)) is not None:
         return choice
-    from ..cache import exclusive_lock
+    from ..io.cache import exclusive_lock
 
     # one process measures (two at once would disturb each other); the others wait, then read
     with exclusive_lock(saved.with_suffix(".lock")):

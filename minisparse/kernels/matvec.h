@@ -14,12 +14,7 @@
    in_stride floats apart: an input that is zero (a TEAL threshold cut it) costs no bytes, since
    its row is never read. Projections that share an input (q, k, v; gate, up) share one bundled
    row per input, [W_q^T | W_k^T | W_v^T]: one long burst instead of three short ones. */
-typedef struct {
-    const void* data;
-    const float* scale;
-    int64_t in_stride;
-    int64_t q4;
-} Mat;
+/* Mat itself is declared in abi.h. */
 
 /* 32 consecutive weights of a row in 20 bytes: w = (u - 8) * scale + zero for the unsigned
    4-bit codes u, scale and zero stored as bfloat16 (the values torch's int4 kernel uses), the

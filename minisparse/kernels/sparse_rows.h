@@ -1,18 +1,14 @@
-/* What the two libraries of sparse GEMVs share: the float32 loops (cpu_loops.py) and the int8
-   ones (sparse_int8.c). The return codes, the rule for how many threads a call gets, the index
+/* What the two libraries of sparse GEMVs share: the float32 loops (cpu.c) and the int8
+   ones (cpu_int8.c). The return codes, the rule for how many threads a call gets, the index
    check, and the column-sparse GEMV (a sum of active rows), written once for both element
    types. The source loaders paste this file in after simd.h. */
 
 /* Below this many weights a call stays on one thread: waking the others costs more. */
 #define PARALLEL_MIN (1 << 20)
 
-/* Return codes: Python turns them into ValueError / MemoryError. */
-#define OK 0
-#define BAD_INDEX 1
-#define NO_MEMORY 2
-
-/* Rows summed in registers before they are added to the output. */
-#define GROUP 8
+/* The return codes (OK, BAD_INDEX, NO_MEMORY) and GROUP, the rows summed in registers before
+   they are added to the output, are in abi.h. */
+#include "abi.h"
 
 /* 1 when an index lies outside [0, n_rows): checked before any weight is read. */
 static int bad_indices(const int64_t* idx, int64_t n, int64_t n_rows) {

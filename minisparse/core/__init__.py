@@ -1,0 +1,13 @@
+"""The model itself (chapters 00-02), in the order the course builds it.
+
+* ``config``: ``ModelConfig``, the few numbers that describe a Llama-family model;
+* ``layers``: RMSNorm, the linear layers and the slot modules (the extension point of a block);
+* ``rope``: rotary position embeddings;
+* ``attention``: attention three ways (the formula, shared key/value heads, tiles);
+* ``model``: ``Transformer`` and its contiguous KV cache;
+* ``hooks``: reading activations without changing the model;
+* ``generate``: decoding, greedy or sampled, on the compiled step where it can;
+* ``checks``: the argument checks every module uses.
+"""
+
+__all__: list[str] = []

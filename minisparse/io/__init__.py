@@ -1,0 +1,11 @@
+"""Weights and text in and out.
+
+* ``loading``: ``load`` a model from a name, a folder or a GGUF file (``sources``: where a model
+  comes from; ``weight_cache``: the cache that makes the second load fast);
+* ``hf``: to and from transformers' models, and the logits comparison against them;
+* ``export``: to a transformers folder or a GGUF file, atomically;
+* ``cache``: the cache folder and atomic writes; ``data``: the course's text; ``eval``:
+  perplexity.
+"""
+
+__all__: list[str] = []

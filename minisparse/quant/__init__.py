@@ -1,0 +1,9 @@
+"""Quantization (chapter 09): tensors, weight-only layers, and the methods RTN, SmoothQuant, AWQ
+and GPTQ.
+
+The package's face: every public name of its modules, importable from here."""
+
+from . import apply
+from .apply import *  # noqa: F403
+
+__all__ = apply.__all__

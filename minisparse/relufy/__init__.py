@@ -1,0 +1,9 @@
+"""ReLUfication (chapter 04): swap the activation for ReLU and recover quality by fine-tuning (full
+or LoRA).
+
+The package's face: every public name of its modules, importable from here."""
+
+from . import recipe
+from .recipe import *  # noqa: F403
+
+__all__ = recipe.__all__
