@@ -149,11 +149,12 @@ def test_sparse_mlp_with_the_triton_backend_matches_the_masked_mlp():
 def test_hot_cold_model_with_its_hot_part_on_the_gpu_matches_the_masked_model():
     from minisparse import offload as O
     from minisparse.offload import hybrid as H
-    from minisparse.sparse import MaskedMLP, calibrate_thresholds, swap_mlps_
+    from minisparse.sparse import MaskedMLP, swap_mlps_
+    from minisparse.sparsity import cats_thresholds
 
     model = tiny_model(seed=0)
     tokens = torch.randint(0, model.config.vocab_size, (2, 24), generator=seeded("hotcold"))
-    thresholds = calibrate_thresholds(model, tokens, 0.5)
+    thresholds = cats_thresholds(model, tokens, 0.5)
     f = O.profile(model, tokens, thresholds, progress=False)
     nb = O.neuron_bytes(model)
     placement = O.place(f, nb, O.budget_for(f, nb, 0.4))

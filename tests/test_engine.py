@@ -32,7 +32,7 @@ def test_the_default_engine_is_the_dense_model():
     assert engine.generate(PROMPT, 12) == generate(m, TOK, PROMPT, 12)
 
 
-@pytest.mark.parametrize("draft", ["prompt-lookup", "int8", "sparse"])
+@pytest.mark.parametrize("draft", ["prompt-lookup", "int8", "sparse", "early-exit"])
 def test_speculative_engines_give_the_plain_greedy_tokens(draft):
     m = model()
     engine = E.build(m, TOK, E.EngineConfig(draft=draft, gamma=3), calibration=CALIB)
@@ -49,7 +49,7 @@ def test_int8_weights_with_a_prompt_lookup_draft_equal_the_quantized_model():
 @torch.inference_mode()
 def test_sparse_kernels_and_the_hot_cold_split_compute_the_masked_model():
     m = model()
-    cats = E.EngineConfig(sparsity="cats", cats_sparsity=0.5)
+    cats = E.EngineConfig(sparsity="cats", share=0.5)
     kernels = E.build(m, TOK, cats, CALIB)
     masked = E.build(m, TOK, E.EngineConfig(sparsity="cats", sparse_kernels=False), CALIB)
     split = E.build(m, TOK, E.EngineConfig(sparsity="cats", offload_budget=0.3), CALIB)
@@ -145,9 +145,9 @@ def test_int4_weights_shrink_the_resident_bytes():
         ({"weights": "int2"}, "weights must be one of"),
         ({"draft": "medusa"}, "draft must be one of"),
         ({"gamma": 0}, "gamma must be"),
-        ({"cats_sparsity": 1.0}, r"cats_sparsity must be in \[0, 1\)"),
-        ({"predictors": "p.safetensors"}, "predictors needs active neurons"),
-        ({"offload_budget": 0.3}, "offload_budget needs active neurons"),
+        ({"share": 1.0}, r"share must be in \[0, 1\)"),
+        ({"predictors": "p.safetensors"}, "predictors acts on active MLP neurons"),
+        ({"offload_budget": 0.3}, "offload_budget acts on active MLP neurons"),
         ({"sparsity": "cats", "offload_budget": 1.5}, r"offload_budget is a share in \(0, 1\]"),
         ({"sparsity": "cats", "weights": "int4"}, "int4 weights are not done"),
         ({"sparsity": "relu", "weights": "int4"}, "int4 weights are not done"),
@@ -159,8 +159,8 @@ def test_int4_weights_shrink_the_resident_bytes():
         ({"sparsity": "cats", "draft": "sparse"}, "is the model itself"),
         ({"gamma": True}, "gamma must be"),
         ({"sparsity": "cats", "sparse_kernels": "no"}, "sparse_kernels is True or False"),
-        ({"weights": "int4", "draft": "int8"}, "made from the model's float32 weights"),
-        ({"weights": "int4", "draft": "sparse"}, "made from the model's float32 weights"),
+        ({"weights": "int4", "draft": "int8"}, "made from fp32 weights"),
+        ({"weights": "int4", "draft": "sparse"}, "made from fp32 or int8 weights"),
     ],
 )
 def test_invalid_combinations_get_one_clear_error(config, message):
@@ -236,3 +236,73 @@ def test_bytes_per_token_follow_the_density_and_the_tokens_per_pass():
     engine.generate("1 2 3 4 1 2 3 4 1 2 3", 12)
     assert engine.last_stats.tokens_per_call >= 1
     assert engine.bytes_per_token() == pytest.approx(dense / engine.last_stats.tokens_per_call)
+
+
+def test_teal_is_an_engine_option_that_runs_the_thresholded_model():
+    """TEAL (registered by chapter 03's package): the engine's model is the base with input
+    thresholds at q/k/v, gate/up and down, calibrated to the share asked; it decodes as that
+    model does, and the compiled step runs every half (it reads only the kept rows)."""
+    from minisparse.sparsity import TEAL_SITES, apply_thresholds, calibrate_thresholds
+
+    m = model()
+    engine = E.build(m, TOK, E.EngineConfig(sparsity="teal", share=0.4), calibration=CALIB)
+    limits = calibrate_thresholds(m, CALIB, 0.4, sites=TEAL_SITES, progress=False)
+    reference = apply_thresholds(m, limits)
+    assert "teal" in engine.description
+    assert engine.generate(PROMPT, 10) == generate(reference, TOK, PROMPT, 10)
+    if fast_path_available():
+        decoder = Decoder(engine.model, make_kv_cache("static", m.config, 32))
+        assert all(line.endswith(": C") for line in decoder.plan())
+    with pytest.raises(ValueError, match="acts on active MLP neurons"):
+        E.EngineConfig(sparsity="teal", offload_budget=0.5).check()
+    int8 = E.build(m, TOK, E.EngineConfig(sparsity="teal", weights="int8"), calibration=CALIB)
+    assert isinstance(int8.model.layers[0].attn.q_proj, Int8Linear)
+
+
+def test_the_engine_and_the_benches_list_the_registries():
+    from minisparse.bench import quant as QB
+    from minisparse.bench import speculative as SB
+    from minisparse.quant import WEIGHT_FORMATS
+    from minisparse.sparsity import SPARSITY_METHODS
+    from minisparse.speculative import DRAFTS
+
+    assert {"relu", "cats", "teal"} <= set(SPARSITY_METHODS)
+    assert E.choices() == {
+        "sparsity": ("none", *SPARSITY_METHODS),
+        "weights": tuple(WEIGHT_FORMATS),
+        "draft": (None, *DRAFTS),
+    }
+    assert set(DRAFTS) == {"prompt-lookup", "int8", "sparse", "early-exit"}
+    parser = __import__("argparse").ArgumentParser()
+    SB.add_arguments(parser)
+    assert parser.parse_args([]).drafts == list(DRAFTS)
+    assert set(QB.VARIANTS) == {"fp32", "bf16", *(n for n in WEIGHT_FORMATS if n != "fp32")}
+
+
+def test_a_registered_method_and_draft_are_engine_options_at_once():
+    """Adding a method is one registration: the engine accepts it, checks it by what it
+    declares (this one does not choose neurons), and builds with it."""
+    from minisparse.sparsity import SPARSITY_METHODS, SparsityMethod, register_sparsity
+    from minisparse.speculative import DRAFTS, DraftKind, register_draft
+    from minisparse.speculative.drafts import early_exit_draft
+
+    halved = []
+
+    def halve(base, calibration, share):
+        halved.append(share)
+        return base
+
+    register_sparsity(SparsityMethod("half", "--", "a test method", False, halve))
+    register_draft(DraftKind("one-layer", "one layer", lambda t, c: early_exit_draft(t, 1)))
+    try:
+        with pytest.raises(ValueError, match="acts on active MLP neurons"):
+            E.EngineConfig(sparsity="half", predictors="p.safetensors").check()
+        with pytest.raises(ValueError, match="registered already"):
+            register_sparsity(SparsityMethod("half", "--", "again", False, halve))
+        m = model()
+        engine = E.build(m, TOK, E.EngineConfig(sparsity="half", share=0.3, draft="one-layer"))
+        assert halved == [0.3] and "half" in engine.description
+        assert engine.generate(PROMPT, 8) == generate(m, TOK, PROMPT, 8)
+    finally:
+        SPARSITY_METHODS.pop("half", None)
+        DRAFTS.pop("one-layer", None)

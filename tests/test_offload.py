@@ -13,7 +13,8 @@ from conftest import tiny_model
 from minisparse import offload as O
 from minisparse.offload import hybrid as H
 from minisparse.offload import time_model as T
-from minisparse.sparse import MaskedMLP, calibrate_thresholds, swap_mlps_
+from minisparse.sparse import MaskedMLP, swap_mlps_
+from minisparse.sparsity import cats_thresholds
 
 TOKENS = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(0))
 
@@ -126,7 +127,7 @@ def test_place_refuses_bad_input(kwargs, message):
 
 def split_model(seed: int = 0, select=None):
     model = tiny_model(seed=seed)
-    thresholds = calibrate_thresholds(model, TOKENS, 0.5)
+    thresholds = cats_thresholds(model, TOKENS, 0.5)
     f = O.profile(model, TOKENS, thresholds, progress=False)
     placement = O.place(f, O.neuron_bytes(model), O.budget_for(f, O.neuron_bytes(model), 0.4))
     hybrid = H.apply(model, placement, None if select else thresholds, select)

@@ -147,7 +147,9 @@ def test_group_larger_than_the_row_names_the_fix():
         ({"bits": 8, "act_bits": 8, "packed": True}, "weight-only"),
         ({"method": "gptq", "bits": 4}, "needs calibration text"),
         ({"method": "awq", "bits": 4, "calib_batches": torch.zeros(8)}, "token ids"),
-        ({"alpha": 1.5}, "alpha must be in"),
+        ({"method": "smoothquant", "alpha": 1.5}, "alpha must be in"),
+        ({"method": "awq", "bits": 4, "awq_grid": 0}, "awq_grid must be"),
+        ({"method": "gptq", "bits": 4, "gptq_damp": 0.0}, "gptq_damp must be > 0"),
     ],
 )
 def test_bad_model_options_raise_one_clear_error(kwargs, message):
@@ -156,8 +158,21 @@ def test_bad_model_options_raise_one_clear_error(kwargs, message):
 
 
 def test_unknown_option_is_named():
-    with pytest.raises(TypeError, match="Unknown options \\['grup_size'\\]"):
+    with pytest.raises(TypeError, match="Unknown options for rtn: \\['grup_size'\\]"):
         quantize_model(tiny_model(), grup_size=4)
+    # each method has its own settings: another method's option is named as such
+    with pytest.raises(TypeError, match="alpha \\(an option of smoothquant\\)"):
+        quantize_model(tiny_model(), method="gptq", bits=4, alpha=0.5)
+
+
+def test_quantization_methods_come_from_one_registry():
+    from minisparse.quant import QUANT_METHODS, QuantConfig
+
+    assert list(QUANT_METHODS) == ["rtn", "gptq", "smoothquant", "awq"]
+    assert [m.calibrated for m in QUANT_METHODS.values()] == [False, True, True, True]
+    awq = QuantConfig.build("awq", bits=4, group_size=32, awq_grid=4)
+    assert awq.options.awq_grid == 4 and awq.options.awq_clip and awq.calibrated
+    assert QuantConfig.build("smoothquant").act_bits == 8  # W8A8: the method implies it
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from minisparse.core.model import MLP, ModelConfig, Transformer
 from minisparse.kernels import cpu_int8
 from minisparse.quant import quantize_model
 from minisparse.sparse.weights import dequantized_mlp, int8_mlp
+from minisparse.sparsity import cats_thresholds
 
 
 def tiny(act: str = "silu", seed: int = 0) -> Transformer:
@@ -36,7 +37,7 @@ def tokens(seed: int, shape=(2, 9)) -> torch.Tensor:
 @pytest.mark.parametrize("act", ["silu", "relu", "gelu"])
 def test_threshold_model_equals_masked_dense_model(backend, act):
     model, toks = tiny(act), tokens(1)
-    limits = S.calibrate_thresholds(model, tokens(2), sparsity=0.5)
+    limits = cats_thresholds(model, tokens(2), sparsity=0.5)
     with torch.no_grad():
         sparse = S.sparse_mlps(model, limits, backend=backend)
         with S.using_mlps(model, sparse):
@@ -138,7 +139,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="3 layers"):
         S.sparse_mlps(model, [0.1, 0.2])
     with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
-        S.calibrate_thresholds(model, tokens(0), 1.0)
+        cats_thresholds(model, tokens(0), 1.0)
     biased = MLP(ModelConfig(dim=8, ffn_dim=16, n_heads=2, n_kv_heads=1, mlp_bias=True))
     with pytest.raises(ValueError, match="bias-free"):
         S.SparseMLP(biased, threshold=0.1)
@@ -220,7 +221,7 @@ def test_sparse_state_dict_refuses_wrong_shapes_and_names():
 def test_calibrated_thresholds_hit_the_target_sparsity():
     model = tiny()
     calib = tokens(5, (4, 16))
-    limits = S.calibrate_thresholds(model, calib, 0.7)
+    limits = cats_thresholds(model, calib, 0.7)
     acts = S.gate_activations(model, calib)
     for t, a in zip(limits, acts, strict=True):
         assert abs((a <= t).float().mean().item() - 0.7) < 0.02
@@ -237,7 +238,7 @@ def test_embedded_model_sparse_logits_match(embedded):
 
     calib = token_batches(tokenizer, corpus("pydoc", "calib"), 32, 2)
     toks = token_batches(tokenizer, corpus("pydoc", "eval"), 16, 1)
-    limits = S.calibrate_thresholds(model, calib, 0.5)
+    limits = cats_thresholds(model, calib, 0.5)
     with torch.no_grad():
         sparse = S.sparse_mlps(model, limits)
         with S.using_mlps(model, sparse):
@@ -273,7 +274,7 @@ def masked_dequantized(model: Transformer, sparse) -> list[S.MaskedMLP]:
 @pytest.mark.parametrize("shape", [(1, 1), (2, 9), (5, 14)])  # the C loops, and 70: torch
 def test_int8_threshold_model_equals_the_masked_dequantized_model(act, shape):
     model, toks = int8_model(act), tokens(1, shape)
-    limits = S.calibrate_thresholds(model, tokens(2, (2, 9)), sparsity=0.5)
+    limits = cats_thresholds(model, tokens(2, (2, 9)), sparsity=0.5)
     with torch.no_grad():
         sparse = S.sparse_mlps(model, limits)
         assert all(m.int8 and m.Q_gate.dtype == torch.int8 for m in sparse)

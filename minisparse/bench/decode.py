@@ -34,6 +34,7 @@ import torch
 from ..core.model import check_count
 from ..measure.machine import machine
 from ..measure.timing import ModelSpeed, interleaved_decode
+from ..quant.formats import WEIGHT_FORMATS
 
 __all__ = [
     "PROMPT",
@@ -293,7 +294,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--weights",
-        choices=("fp32", "int8", "int4"),
+        choices=tuple(WEIGHT_FORMATS),
         default="fp32",
         help="our weights in the llama.cpp comparison (int8: beside a q8_0 GGUF file; int4, "
         "groups of 32 with a scale and zero each: beside a Q4_1 file such as the shipped one)",
@@ -437,7 +438,7 @@ def print_llama_cpp_row(
         return None
     ours = model
     if args.weights != "fp32":
-        from ..engine.compose import low_bit
+        from ..quant.formats import low_bit
 
         ours = low_bit(model, args.weights)  # the engine's int8 / int4 weights
     n = args.max_new_tokens

@@ -22,11 +22,10 @@ import torch
 
 from ..measure.machine import machine
 from ..measure.timing import interleaved_decode
+from ..quant.formats import WEIGHT_FORMATS
 from .decode import PROMPT, check_decode_arguments
 
 __all__ = ["IsaRow", "add_arguments", "bench_isa", "main", "run"]
-
-WEIGHTS = ("fp32", "int8", "int4")
 
 
 @dataclass
@@ -50,16 +49,18 @@ class IsaRow:
 def bench_isa(
     model: torch.nn.Module,
     prompt_ids: list[int],
-    weights: tuple[str, ...] = WEIGHTS,
+    weights: tuple[str, ...] | None = None,
     max_new_tokens: int = 32,
     repeats: int = 5,
     progress: bool = True,
 ) -> list[IsaRow]:
     """Greedy decode tokens/s of every target's build of the decode step, per weight format
     (the native build first in each format)."""
-    from ..engine.compose import low_bit, step_bytes
+    weights = tuple(WEIGHT_FORMATS) if weights is None else weights
+    from ..engine.compose import step_bytes
     from ..kernels.cpu_build import build_choice, build_for, find_compiler, resolve_compiler
     from ..kernels.cpu_isa import available_targets
+    from ..quant.formats import low_bit
     from ..runtime.step import SOURCE, declare_step_library
     from .sparse_steps import greedy_steps
 
@@ -97,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS))
+    formats = list(WEIGHT_FORMATS)
+    parser.add_argument("--weights", nargs="+", choices=formats, default=formats)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 

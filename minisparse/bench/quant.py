@@ -43,6 +43,7 @@ from ..core.model import Transformer, check_count, use_output_major_weights
 from ..measure.machine import machine
 from ..measure.timing import interleaved_medians, read_bandwidth, roofline_seconds
 from ..quant.apply import QuantSpec, quantize_model, streamed_bytes
+from ..quant.formats import WEIGHT_FORMATS
 from .decode import bench_decode_models
 
 __all__ = [
@@ -63,7 +64,7 @@ __all__ = [
     "run",
 ]
 
-VARIANTS = ("fp32", "bf16", "int8", "int4")
+VARIANTS = ("fp32", "bf16", *(n for n, f in WEIGHT_FORMATS.items() if f.bits is not None))
 PROMPT = "The Python language reference describes the syntax and"
 
 
@@ -83,11 +84,11 @@ def make_variants(
             variants[name] = model
         elif name == "bf16":  # torch's bfloat16 GEMV reads output-major rows faster
             variants[name] = use_output_major_weights(copy.deepcopy(model)).to(torch.bfloat16)
-        elif name == "int8":
-            variants[name] = quantize_model(model, bits=8, packed=True, progress=progress)
-        else:
+        else:  # a weight format; ``group_size`` for those with groups (int4)
+            fmt = WEIGHT_FORMATS[name]
+            group = None if fmt.group_size is None else group_size
             variants[name] = quantize_model(
-                model, bits=4, group_size=group_size, packed=True, progress=progress
+                model, bits=fmt.bits, group_size=group, packed=True, progress=progress
             )
     return variants
 

@@ -35,19 +35,10 @@ from ..measure.machine import machine
 from ..measure.timing import interleaved_decode_steps, interleaved_medians
 from ..runtime.decoder import MAX_TOKENS, Decoder
 from ..sparsity import check_sparsity
-from ..speculative.loop import (
-    Draft,
-    ModelDraft,
-    early_exit_draft,
-    expected_speedup,
-    int8_draft,
-    prompt_lookup_draft,
-    sparse_draft,
-    speculative_generate,
-)
+from ..speculative.loop import Draft, ModelDraft, expected_speedup, speculative_generate
+from ..speculative.registry import DRAFTS, make_draft
 
 __all__ = [
-    "DRAFTS",
     "PROMPTS",
     "SpecRow",
     "add_arguments",
@@ -91,7 +82,6 @@ PROMPTS: dict[str, list[str]] = {
         "Tell me a story about a robot who learns to paint.",
     ],
 }
-DRAFTS = ("prompt-lookup", "int8", "sparse", "early-exit")
 
 
 def chat_prompts(kind: str = "all") -> list[list[dict[str, str]]]:
@@ -105,33 +95,31 @@ def chat_prompts(kind: str = "all") -> list[list[dict[str, str]]]:
 def make_drafts(
     model: Transformer,
     tokenizer: Any,
-    names: tuple[str, ...] = DRAFTS,
+    names: tuple[str, ...] | None = None,
     sparsity: float = 0.5,
     exit_layers: int | None = None,
 ) -> dict[str, Draft]:
-    """The drafts by name; the sparse one is calibrated on 256 tokens of the training text.
+    """The drafts by name (default: every registered draft, ``speculative.DRAFTS``); a draft
+    that calibrates does so on 256 tokens of the training text.
 
-    ``exit_layers``: the early-exit draft's depth (None: three quarters of the layers).
+    ``sparsity`` and ``exit_layers`` go to the drafts that take them (the sparse draft's share
+    of skipped neurons; the early-exit draft's depth, None: three quarters of the layers).
     """
+    names = tuple(DRAFTS) if names is None else names
     unknown = set(names) - set(DRAFTS)
     if unknown:
-        raise ValueError(f"Unknown drafts {sorted(unknown)}; choose from {DRAFTS}.")
+        raise ValueError(f"Unknown drafts {sorted(unknown)}; choose from {tuple(DRAFTS)}.")
     check_sparsity(sparsity)
-    if exit_layers is None:
-        exit_layers = (3 * model.config.n_layers) // 4
+    calibration = None
+    if any(DRAFTS[name].calibrated for name in names):
+        from ..io.data import corpus, token_batches
+
+        calibration = token_batches(tokenizer, corpus(split="train"), 128, 2)
+    given = {"sparsity": sparsity, "exit_layers": exit_layers}
     drafts: dict[str, Draft] = {}
     for name in names:
-        if name == "prompt-lookup":
-            drafts[name] = prompt_lookup_draft(ngram=3)
-        elif name == "int8":
-            drafts[name] = int8_draft(model)
-        elif name == "sparse":
-            from ..io.data import corpus, token_batches
-
-            calibration = token_batches(tokenizer, corpus(split="train"), 128, 2)
-            drafts[name] = sparse_draft(model, calibration, sparsity)
-        else:
-            drafts[name] = early_exit_draft(model, exit_layers)
+        options = {k: v for k, v in given.items() if k in DRAFTS[name].options}
+        drafts[name] = make_draft(name, model, calibration, **options)
     return drafts
 
 
@@ -349,7 +337,7 @@ def format_rows(rows: list[SpecRow]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="target model (as for load)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--drafts", nargs="+", default=list(DRAFTS), choices=DRAFTS)
+    parser.add_argument("--drafts", nargs="+", default=list(DRAFTS), choices=list(DRAFTS))
     parser.add_argument("--prompts", default="all", choices=[*PROMPTS, "all"])
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass")
     parser.add_argument(

@@ -7,7 +7,8 @@
 * ``model``: ``Transformer`` and its contiguous KV cache;
 * ``hooks``: reading activations without changing the model;
 * ``generate``: decoding, greedy or sampled, on the compiled step where it can;
-* ``checks``: the argument checks every module uses.
+* ``checks``: the argument checks every module uses; ``registry``: the entries of one axis
+  (sparsity methods, weight formats, quantization methods, drafts) by name.
 """
 
 __all__: list[str] = []

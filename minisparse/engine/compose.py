@@ -1,25 +1,29 @@
 """One engine: the course's techniques combined, configured by one dataclass (chapter 11).
 
 Each chapter built one way to read fewer bytes per token. ``build`` composes them on a model,
-calling each chapter's own code, in the order the bytes flow:
+calling each chapter's own code, in the order the bytes flow. Every axis is a registry, so a
+method registered there is an engine option without a change here:
 
-1. which neurons are active: the fine-tuned ReLU model of chapter 04 (exact zeros) or
-   chapter 03's CATS thresholds on act(W_gate x) (training-free, approximate);
-2. how they are found: the threshold itself (an oracle that computes the gate densely), or
-   chapter 06's predictors (``predictors=`` a file saved by ``minisparse predictors``);
+1. which work is skipped: a sparsity method (``minisparse.sparsity.SPARSITY_METHODS``): the
+   fine-tuned ReLU model of chapter 04 (exact zeros), chapter 03's CATS thresholds on
+   act(W_gate x) or TEAL thresholds on every projection's input (training-free, approximate);
+2. how active neurons are found (methods that choose MLP neurons): the threshold itself (an
+   oracle that computes the gate densely), or chapter 06's predictors (``predictors=`` a file
+   saved by ``minisparse predictors``);
 3. how they are computed: chapter 07's sparse kernels (``SparseMLP``), or the masked dense
    reference (``sparse_kernels=False``: same result, every byte read);
 4. where they live: chapter 08's hot/cold split under a fast-device budget (its speed is
    modelled without a GPU; the logits are computed exactly on the CPU);
-5. how many bits each weight has: chapter 09's weight-only int8 / int4 layers;
-6. how many tokens one pass yields: chapter 10's speculative decoding with a draft.
+5. how many bits each weight has: a weight format (``minisparse.quant.WEIGHT_FORMATS``,
+   chapter 09's weight-only int8 / int4 layers);
+6. how many tokens one pass yields: a draft (``minisparse.speculative.DRAFTS``, chapter 10).
 
-What does not combine is refused with the reason. Sparsity and int8 weights multiply: the model
-is quantized first (chapter 09, every linear layer), then its int8 MLPs become sparse int8
-MLPs that read the int8 codes of the active neurons only (``minisparse.kernels.cpu_int8``):
-(1 - s) / 4 of the float32 bytes of a sparse matrix. Sparse int4 weights are not done (there
-is no sparse int4 kernel), so int4 and sparsity are refused; so is the hot/cold split of
-chapter 08 with low-bit weights (it places float32 neurons); a draft cannot be the target
+What does not combine is refused with the reason, read from the registries: predictors,
+sparse kernels off and the hot/cold split need a method that chooses neurons; sparse MLPs need
+a weight format a sparse kernel reads (int8 is quantized first, then its MLPs become sparse
+int8 MLPs that read the int8 codes of the active neurons only: (1 - s) / 4 of the float32 bytes
+of a sparse matrix; there is no sparse int4 kernel); the hot/cold split places float32
+neurons; a draft is made only from the weight formats it names, and never is the target
 itself (an int8 draft for an int8 target).
 
 ``Engine.generate`` decodes with the result; for lossless configurations (speculative
@@ -30,91 +34,113 @@ the same model, which the tests check.
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
+from ..core.checks import check_count
 from ..core.generate import generate
-from ..core.model import Transformer, check_count
+from ..core.model import Transformer
 from ..offload.placement import Placement
+from ..quant.formats import WEIGHT_FORMATS, low_bit
+from ..relufy import method as _relu_method  # noqa: F401  (registers the method relu)
+from ..sparsity.methods import SPARSITY_METHODS, SparsityMethod, sparsity_method
+from ..speculative.registry import DRAFTS, DraftKind, draft_kind, make_draft
 
 __all__ = [
-    "DRAFTS",
-    "SPARSITY",
-    "WEIGHTS",
     "Engine",
     "EngineConfig",
     "build",
+    "choices",
     "low_bit",
+    "make_draft",
     "sparse_model",
     "step_bytes",
 ]
 
-SPARSITY = ("none", "relu", "cats")
-WEIGHTS = ("fp32", "int8", "int4")
-DRAFTS = (None, "prompt-lookup", "int8", "sparse")
-INT4_GROUP = 32  # int4 weights: one scale and zero point per 32 weights (chapter 09)
+
+def choices() -> dict[str, tuple[Any, ...]]:
+    """What each axis of ``EngineConfig`` accepts now: read from the registries."""
+    return {
+        "sparsity": ("none", *SPARSITY_METHODS),
+        "weights": tuple(WEIGHT_FORMATS),
+        "draft": (None, *DRAFTS),
+    }
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Which technique of each chapter the engine uses (defaults: the dense model)."""
 
-    sparsity: str = "none"  # "relu" (chapter 04), "cats" (chapter 03) or "none"
-    cats_sparsity: float = 0.5  # share of neurons the CATS thresholds skip
+    sparsity: str = "none"  # a sparsity method ("relu", "cats", "teal", ...) or "none"
+    share: float = 0.5  # training-free methods (CATS, TEAL): share their thresholds zero
     predictors: str | None = None  # chapter 06 predictors file; None: the threshold (oracle)
     sparse_kernels: bool = True  # chapter 07 kernels; False: the masked dense reference
     offload_budget: float | None = None  # chapter 08: share of FFN bytes on the fast device
-    weights: str = "fp32"  # chapter 09: "int8" / "int4" weight-only layers
-    draft: str | None = None  # chapter 10: "prompt-lookup", "int8" or "sparse"
+    weights: str = "fp32"  # a weight format: "fp32", "int8", "int4", ...
+    draft: str | None = None  # a draft: "prompt-lookup", "int8", "sparse", "early-exit", ...
     gamma: int = 4  # tokens the draft proposes per pass
+
+    @property
+    def method(self) -> SparsityMethod | None:
+        return None if self.sparsity == "none" else sparsity_method(self.sparsity)
+
+    @property
+    def draft_kind(self) -> DraftKind | None:
+        return None if self.draft is None else draft_kind(self.draft)
 
     def check(self) -> EngineConfig:
         """Return self, or raise one ValueError that names the conflicting settings."""
-        choices = (("sparsity", SPARSITY), ("weights", WEIGHTS), ("draft", DRAFTS))
-        for name, allowed in choices:
+        for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
-        if not 0.0 <= self.cats_sparsity < 1.0:
-            raise ValueError(f"cats_sparsity must be in [0, 1), got {self.cats_sparsity}.")
+        if not 0.0 <= self.share < 1.0:
+            raise ValueError(f"share must be in [0, 1), got {self.share}.")
         check_count(self.gamma, "gamma", fix="the number of tokens a draft proposes per pass")
         if not isinstance(self.sparse_kernels, bool):
             raise ValueError(f"sparse_kernels is True or False, got {self.sparse_kernels!r}.")
-        sparse = self.sparsity != "none"
         if self.offload_budget is not None and not 0 < self.offload_budget <= 1:
             raise ValueError(f"offload_budget is a share in (0, 1], got {self.offload_budget}.")
-        needs_sparsity = {
+        neurons = self.method is not None and self.method.neurons
+        choosers = [n for n, m in SPARSITY_METHODS.items() if m.neurons]
+        needs_neurons = {
             "predictors": self.predictors is not None,
             "offload_budget": self.offload_budget is not None,
             "sparse_kernels=False": not self.sparse_kernels,
         }
-        for name, used in needs_sparsity.items():
-            if used and not sparse:
-                raise ValueError(f"{name} needs active neurons: set sparsity='relu' or 'cats'.")
-        if sparse and self.weights == "int4":
+        for name, used in needs_neurons.items():
+            if used and not neurons:
+                raise ValueError(
+                    f"{name} acts on active MLP neurons: set sparsity to a method that chooses "
+                    f"them ({', '.join(choosers)}), not {self.sparsity!r}."
+                )
+        fmt = WEIGHT_FORMATS[self.weights]
+        if neurons and not fmt.sparse_kernel:
+            readable = [n for n, f in WEIGHT_FORMATS.items() if f.sparse_kernel]
             raise ValueError(
-                "Sparse int4 weights are not done (there is no sparse int4 kernel): sparsity "
-                "and weights='int4' do not combine. Choose weights='int8' (sparse int8 kernels), "
-                "weights='fp32', or sparsity='none'."
+                f"Sparse {self.weights} weights are not done (there is no sparse {self.weights} "
+                f"kernel): sparsity={self.sparsity!r} and weights={self.weights!r} do not "
+                f"combine. Choose weights in {readable}, or a sparsity that keeps the MLPs dense."
             )
-        if self.offload_budget is not None and self.weights != "fp32":
+        if self.offload_budget is not None and fmt.bits is not None:
             raise ValueError(
                 "The hot/cold split (offload_budget) places float32 neurons: it does not combine "
                 f"with weights={self.weights!r}. Choose weights='fp32' or offload_budget=None."
             )
-        if self.draft in ("int8", "sparse") and self.weights == "int4":
+        kind = self.draft_kind
+        if kind is not None and kind.is_target(self.weights, self.method is not None):
             raise ValueError(
-                f"A {self.draft} draft is made from the model's float32 weights, which "
-                "weights='int4' replaces: use draft='prompt-lookup' with int4 weights, or "
-                "weights='fp32' / 'int8'."
+                f"A {kind.name} draft of this model (sparsity={self.sparsity!r}, weights="
+                f"{self.weights!r}) is the model itself; pick another draft."
             )
-        if self.draft == "int8" and self.weights == "int8":
-            raise ValueError("An int8 draft of an int8 model is the model itself; pick another.")
-        if self.draft == "sparse" and sparse:
-            raise ValueError("A sparse draft of a sparse model is the model itself; pick another.")
+        if kind is not None and kind.weights is not None and self.weights not in kind.weights:
+            raise ValueError(
+                f"A {kind.name} draft is made from {' or '.join(kind.weights)} weights, which "
+                f"weights={self.weights!r} replaces: choose weights in {list(kind.weights)} or "
+                "another draft (prompt-lookup works with any)."
+            )
         return self
 
 
@@ -203,23 +229,25 @@ def build(
 ) -> Engine:
     """The engine ``config`` describes, built on ``base`` (left unchanged).
 
-    ``calibration`` [batch, seq] token ids: needed for CATS thresholds, a placement and the
-    sparse draft.
+    ``calibration`` [batch, seq] token ids: needed by calibrated sparsity methods (CATS, TEAL),
+    a placement and calibrated drafts (the sparse draft).
     """
     config.check()
-    needs = config.sparsity == "cats" or config.offload_budget is not None
-    if (needs or config.draft == "sparse") and calibration is None:
+    method, kind = config.method, config.draft_kind
+    needs = (method is not None and method.calibrated) or config.offload_budget is not None
+    if (needs or (kind is not None and kind.calibrated)) and calibration is None:
         raise ValueError("This configuration calibrates on text: pass calibration= token ids.")
     model, parts = base, []
-    if config.sparsity == "relu":
-        from ..relufy.recipe import load_relufied
-
-        model, _ = load_relufied(base, 1)
-        parts.append("ReLU model (ch. 04)")
+    thresholds = None
+    if method is not None:
+        model = method.model(base, calibration, config.share)
+        parts.append(f"{method.name}: {method.summary} (ch. {method.chapter})")
+    neurons = method is not None and method.neurons
     select = load_selector(model, config.predictors)  # predictors are made for float weights
-    if config.weights == "int8" and config.sparsity != "none":
+    if config.weights != "fp32" and neurons:
         model = low_bit(model, config.weights)  # first: the sparse MLPs take int8 projections
-    thresholds = active_thresholds(model, config, calibration)
+    if neurons:
+        thresholds = method.thresholds(model, calibration, config.share)  # type: ignore[union-attr]
     dense = model if select is not None else None  # the per-token perplexity's reference
     placement = None
     if config.offload_budget is not None:
@@ -228,32 +256,21 @@ def build(
         parts.append(f"hot/cold split at {config.offload_budget:.0%} of FFN bytes (ch. 08)")
     elif thresholds is not None:
         model = sparse_model(model, thresholds, select, config.sparse_kernels)
-        kernels = "sparse int8 kernels" if config.weights == "int8" else "sparse kernels"
-        kind = kernels if config.sparse_kernels else "masked dense MLPs"
+        kernels = (
+            f"sparse {config.weights} kernels" if config.weights != "fp32" else "sparse kernels"
+        )
+        made = kernels if config.sparse_kernels else "masked dense MLPs"
         finder = "predictors" if select else "thresholds"
-        parts.append(f"{kind}, neurons from {finder} (ch. 0{6 if select else 3}, 07)")
+        parts.append(f"{made}, neurons from {finder} (ch. {'06, ' if select else ''}07)")
     if config.weights != "fp32":
-        if config.sparsity == "none":
+        if not neurons:
             model = low_bit(model, config.weights)
         parts.append(f"{config.weights} weights (ch. 09)")
-    draft = make_draft(model, config.draft, calibration)
+    draft = None if kind is None else make_draft(kind.name, model, calibration)
     if draft is not None:
-        parts.append(f"{config.draft} draft, gamma {config.gamma} (ch. 10)")
+        parts.append(f"{kind.name} draft, gamma {config.gamma} (ch. 10)")  # type: ignore[union-attr]
     text = ", ".join(parts) or "the dense model"
     return Engine(config, model, tokenizer, draft, placement, text, dense_model=dense)
-
-
-def active_thresholds(
-    model: Transformer, config: EngineConfig, calibration: Tensor | None
-) -> list[float] | None:
-    """Per-layer thresholds on |act(W_gate x)|: 0 for the ReLU model, CATS's otherwise."""
-    if config.sparsity == "none":
-        return None
-    if config.sparsity == "relu":
-        return [0.0] * len(model.layers)
-    from ..sparse.mlp import calibrate_thresholds
-
-    return calibrate_thresholds(model, calibration, config.cats_sparsity)
 
 
 def load_selector(model: Transformer, path: str | None) -> Any:
@@ -290,23 +307,3 @@ def sparse_model(model: Transformer, thresholds: Any, select: Any, kernels: bool
     make = sparse_mlps if kernels else masked_mlps
     swap_mlps_(new, make(new, limits, select))
     return new
-
-
-def low_bit(model: Transformer, weights: str) -> Transformer:
-    """A copy of ``model`` with chapter 09's weight-only layers: "int8" (one scale per row) or
-    "int4" (a scale and zero per ``INT4_GROUP`` weights), LM head included."""
-    from ..quant.apply import quantize_model
-
-    bits, group = (8, None) if weights == "int8" else (4, INT4_GROUP)
-    return quantize_model(model, bits=bits, group_size=group, packed=True, progress=False)
-
-
-def make_draft(model: Transformer, kind: str | None, calibration: Tensor | None) -> Any:
-    from ..speculative.loop import int8_draft, prompt_lookup_draft, sparse_draft
-
-    makers = {
-        "prompt-lookup": prompt_lookup_draft,
-        "int8": functools.partial(int8_draft, model),
-        "sparse": functools.partial(sparse_draft, model, calibration, 0.5),
-    }
-    return None if kind is None else makers[kind]()

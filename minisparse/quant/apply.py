@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 
 from ..core.model import Linear, Transformer
 from .calibration import (
-    METHODS,
+    QUANT_METHODS,
     LayerHandler,
     LinearGroup,
     QuantConfig,
@@ -65,7 +65,6 @@ from .calibration import (
     group_inputs,
     install,
 )
-from .gptq import gptq_layer
 from .layers import (
     INT4_KERNEL_BLOCKS,
     ActQuantLinear,
@@ -77,7 +76,6 @@ from .layers import (
     set_weight,
     target_device,
 )
-from .smoothing import awq_layer, smoothquant_layer
 from .tensor import (
     QuantizedTensor,
     QuantSpec,
@@ -154,17 +152,13 @@ def quantize_model(
     to the embedding is untied first: the embedding table keeps its values for the lookup.
     Further ``options`` are the fields of ``QuantConfig``: ``symmetric``, ``act_bits`` (8 for
     W8A8, per-token; SmoothQuant's default), ``act_per_tensor``, ``packed`` (real int8/int4
-    kernels instead of fake-quantized float32 weights), ``alpha``, ``awq_grid``, ``awq_clip``,
-    ``gptq_damp``, ``gptq_block``. The copy carries its ``quant_config``. Weights holding NaN or
-    inf are refused (a ValueError naming the layer): one would turn its whole row or group NaN.
+    kernels instead of fake-quantized float32 weights), and the method's own settings
+    (``QUANT_METHODS[method].options``: ``alpha`` for SmoothQuant; ``awq_grid``, ``awq_clip``
+    for AWQ; ``gptq_damp``, ``gptq_block`` for GPTQ). The copy carries its ``quant_config``.
+    Weights holding NaN or inf are refused (a ValueError naming the layer): one would turn its
+    whole row or group NaN.
     """
-    unknown = set(options) - {f.name for f in dataclasses.fields(QuantConfig)}
-    if unknown:
-        raise TypeError(
-            f"Unknown options {sorted(unknown)}; use fields of QuantConfig "
-            f"({', '.join(f.name for f in dataclasses.fields(QuantConfig))})."
-        )
-    config = QuantConfig(method=method, bits=bits, group_size=group_size, **options)  # type: ignore[arg-type]
+    config = QuantConfig.build(method, bits=bits, group_size=group_size, **options)
     tokens = check_calibration(calib_batches, method) if config.calibrated else None
     check_finite_weights(model)
     new = copy.deepcopy(model).eval()
@@ -202,11 +196,8 @@ def quantize_calibrated(
     model: Transformer, config: QuantConfig, tokens: Tensor, progress: bool
 ) -> None:
     """SmoothQuant, AWQ or GPTQ on the decoder layers, then the LM head rounded to nearest."""
-    method = {
-        "smoothquant": smoothquant_layer,
-        "awq": awq_layer,
-        "gptq": gptq_layer,
-    }[config.method]
+    method = QUANT_METHODS[config.method].layer
+    assert method is not None
     calibrate_layers(model, tokens, lambda *args: method(*args, config), config, progress)
     if config.lm_head:
         quantize_head(model, config)
@@ -250,7 +241,7 @@ def streamed_bytes(model: nn.Module) -> int:
 
 __all__ = [
     "INT4_KERNEL_BLOCKS",
-    "METHODS",
+    "QUANT_METHODS",
     "ActQuantLinear",
     "Int4Linear",
     "Int8Linear",

@@ -1,10 +1,13 @@
 """Calibrated quantization, layer by layer: its settings, its unit, and its driver loop.
 
-SmoothQuant, AWQ and GPTQ (``minisparse.smoothing``, ``minisparse.gptq``) choose a layer's
-codes from the inputs that layer sees on calibration text. Three pieces they share live here:
+SmoothQuant, AWQ and GPTQ (``minisparse.quant.smoothing``, ``minisparse.quant.gptq``) choose a
+layer's codes from the inputs that layer sees on calibration text. The pieces they share live
+here:
 
+* ``QUANT_METHODS``: the methods by name (``register_quant_method``; RTN here, SmoothQuant and
+  AWQ in ``smoothing``, GPTQ in ``gptq``), each with its own settings dataclass;
 * ``QuantConfig``: every setting of a quantization (method, bits, groups, activations, packed
-  kernels, each method's knobs), checked once when it is built.
+  kernels) and the method's own options, checked once when it is built.
 * ``LinearGroup``: the linear layers that read the same input (q, k, v; gate, up; o; down), the
   unit of calibration. Their input is captured once, and the module that produced it (``prev``)
   is where SmoothQuant and AWQ fold their per-channel scales.
@@ -17,7 +20,8 @@ codes from the inputs that layer sees on calibration text. Three pieces they sha
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -25,11 +29,44 @@ from tqdm.auto import tqdm
 
 from ..core.hooks import capture_inputs
 from ..core.model import Transformer
+from ..core.registry import Registry
 from ..core.rope import rope_cos_sin
 from .layers import ActQuantLinear, packed_linear, set_weight
 from .tensor import QuantizedTensor, QuantSpec, check_bits
 
-METHODS = ("rtn", "smoothquant", "awq", "gptq")
+#: A method's layer function: (decoder layer, its groups, their captured inputs, config) ->
+#: per group name, what ``install`` puts in place (quantized weights, and scales to fold).
+LayerFn = Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A method without settings of its own (round to nearest)."""
+
+
+@dataclass(frozen=True)
+class QuantMethod:
+    """One quantization method: its own settings (``options``, a frozen dataclass whose defaults
+    are the paper's), its layer function (None: no calibration, every weight rounded on its
+    own) and the activation bits it implies (SmoothQuant quantizes activations too)."""
+
+    name: str
+    summary: str
+    options: type = NoOptions
+    layer: LayerFn | None = None
+    act_bits: int | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        return self.layer is not None
+
+
+QUANT_METHODS: Registry[QuantMethod] = Registry("method")
+register_quant_method = QUANT_METHODS.register
+quant_method = QUANT_METHODS.find
+
+
+register_quant_method(QuantMethod("rtn", "round each weight to the nearest grid point"))
 
 # --------------------------------------------------------------------------------------------
 # Settings
@@ -38,7 +75,11 @@ METHODS = ("rtn", "smoothquant", "awq", "gptq")
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Everything ``quantize_model`` does (it builds one from its arguments and checks it)."""
+    """Everything ``quantize_model`` does (it builds one from its arguments and checks it).
+
+    The fields here are every method's; ``options`` holds the method's own settings (an
+    instance of its ``QuantMethod.options``, the paper's defaults when not given).
+    """
 
     method: str = "rtn"
     bits: int = 8
@@ -48,17 +89,19 @@ class QuantConfig:
     act_per_tensor: bool = False
     lm_head: bool = True
     packed: bool = False
-    alpha: float = 0.5  # SmoothQuant migration strength
-    awq_grid: int = 20  # AWQ: alpha in {0, 1/n, ..., (n-1)/n}
-    awq_clip: bool = True
-    gptq_damp: float = 0.01  # GPTQ: lambda = damp * mean(diag H)
-    gptq_block: int = 128
+    options: Any = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"Unknown method {self.method!r}; use one of {METHODS}.")
-        if self.method == "smoothquant" and self.act_bits is None:
-            object.__setattr__(self, "act_bits", 8)
+        method = quant_method(self.method)
+        if self.options is None:
+            object.__setattr__(self, "options", method.options())
+        if not isinstance(self.options, method.options):
+            raise ValueError(
+                f"options for {self.method} are a {method.options.__name__}, got "
+                f"{type(self.options).__name__}."
+            )
+        if method.act_bits is not None and self.act_bits is None:
+            object.__setattr__(self, "act_bits", method.act_bits)
         if self.symmetric is None:
             object.__setattr__(self, "symmetric", self.bits == 8)
         QuantSpec(self.bits, self.group_size, bool(self.symmetric))  # checks bits, group_size
@@ -66,12 +109,28 @@ class QuantConfig:
             check_bits(self.act_bits, "act_bits")
         if self.packed:
             check_packable(self)
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1] (SmoothQuant uses 0.5), got {self.alpha}.")
-        if self.awq_grid < 1 or self.gptq_block < 1:
-            raise ValueError("awq_grid and gptq_block must be at least 1.")
-        if self.gptq_damp <= 0:
-            raise ValueError(f"gptq_damp must be > 0 (GPTQ uses 0.01), got {self.gptq_damp}.")
+
+    @classmethod
+    def build(cls, method: str = "rtn", **settings: Any) -> QuantConfig:
+        """A config from flat settings: the common fields, and the method's own options by
+        name (``alpha`` for SmoothQuant, ``awq_grid`` for AWQ, ``gptq_damp`` for GPTQ, ...)."""
+        kind = quant_method(method)
+        common = {f.name for f in fields(cls)} - {"method", "options"}
+        own = {f.name for f in fields(kind.options)}
+        unknown = set(settings) - common - own
+        if unknown:
+            others = {
+                name: m.name
+                for m in QUANT_METHODS.values()
+                for name in (f.name for f in fields(m.options))
+            }
+            owned = [f"{n} (an option of {others[n]})" for n in sorted(unknown) if n in others]
+            raise TypeError(
+                f"Unknown options for {method}: {owned or sorted(unknown)}; it takes "
+                f"{sorted(common | own)}."
+            )
+        options = kind.options(**{k: v for k, v in settings.items() if k in own})
+        return cls(method, options=options, **{k: v for k, v in settings.items() if k in common})
 
     @property
     def weight_spec(self) -> QuantSpec:
@@ -85,7 +144,7 @@ class QuantConfig:
 
     @property
     def calibrated(self) -> bool:
-        return self.method != "rtn"
+        return quant_method(self.method).calibrated
 
     def label(self) -> str:
         """A short name such as 'W4 g128 awq' or 'W8A8 smoothquant'."""
@@ -215,13 +274,18 @@ def calibrate_layers(
 
 
 __all__ = [
-    "METHODS",
+    "QUANT_METHODS",
+    "LayerFn",
     "LayerHandler",
     "LinearGroup",
+    "NoOptions",
     "QuantConfig",
+    "QuantMethod",
     "block_groups",
     "calibrate_layers",
     "check_packable",
     "group_inputs",
     "install",
+    "quant_method",
+    "register_quant_method",
 ]

@@ -31,11 +31,12 @@ its first column is quantized, i.e. after the corrections from earlier columns.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from .calibration import LinearGroup, QuantConfig
+from .calibration import LinearGroup, QuantConfig, QuantMethod, register_quant_method
 from .tensor import QuantizedTensor, QuantSpec, code_dtype, quant_params, round_to_grid
 
 
@@ -132,9 +133,13 @@ def gptq_layer(
         weights = [layer.get_submodule(name).weight.detach() for name in group.linears]
         if spec.per_tensor:
             for name, w in zip(group.linears, weights, strict=True):
-                out[name] = gptq_quantize(w, h, spec, config.gptq_damp, config.gptq_block)
+                out[name] = gptq_quantize(
+                    w, h, spec, config.options.gptq_damp, config.options.gptq_block
+                )
             continue
-        qt = gptq_quantize(torch.cat(weights), h, spec, config.gptq_damp, config.gptq_block)
+        qt = gptq_quantize(
+            torch.cat(weights), h, spec, config.options.gptq_damp, config.options.gptq_block
+        )
         start = 0
         for name, w in zip(group.linears, weights, strict=True):
             out[name] = qt.rows(start, start + w.shape[0])
@@ -142,4 +147,39 @@ def gptq_layer(
     return out
 
 
-__all__ = ["gptq_layer", "gptq_quantize", "hessian", "inverse_hessian_factor", "output_error"]
+@dataclass(frozen=True)
+class GPTQOptions:
+    """GPTQ's own settings: the damping λ = damp · mean(diag H) (the paper: 0.01) and the
+    columns updated together (128)."""
+
+    gptq_damp: float = 0.01
+    gptq_block: int = 128
+
+    def __post_init__(self) -> None:
+        if not self.gptq_damp > 0:
+            raise ValueError(f"gptq_damp must be > 0 (GPTQ uses 0.01), got {self.gptq_damp}.")
+        if (
+            isinstance(self.gptq_block, bool)
+            or not isinstance(self.gptq_block, int)
+            or self.gptq_block < 1
+        ):
+            raise ValueError(f"gptq_block must be an integer >= 1, got {self.gptq_block!r}.")
+
+
+register_quant_method(
+    QuantMethod(
+        "gptq",
+        "weight-only: round column by column, correcting the rest (OBS)",
+        GPTQOptions,
+        gptq_layer,
+    )
+)
+
+__all__ = [
+    "GPTQOptions",
+    "gptq_layer",
+    "gptq_quantize",
+    "hessian",
+    "inverse_hessian_factor",
+    "output_error",
+]

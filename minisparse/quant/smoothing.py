@@ -46,7 +46,14 @@ import torch
 from torch import Tensor, nn
 
 from ..core.model import RMSNorm, Transformer
-from .calibration import LinearGroup, QuantConfig, block_groups, calibrate_layers
+from .calibration import (
+    LinearGroup,
+    QuantConfig,
+    QuantMethod,
+    block_groups,
+    calibrate_layers,
+    register_quant_method,
+)
 from .layers import set_weight
 from .tensor import (
     QuantizedTensor,
@@ -148,11 +155,13 @@ def smoothquant_scales(
 def smoothquant_layer(
     layer: nn.Module, groups: Sequence[LinearGroup], inputs: dict[str, Tensor], config: QuantConfig
 ) -> dict[str, QuantizedTensor]:
-    """Smooth every group of a layer (α = ``config.alpha``), then round the weights to int8."""
+    """Smooth every group of a layer (α = ``config.options.alpha``), then round to int8."""
     for group in groups:
         weights = group_weights(layer, group)
         fold_scales(
-            layer, group, smoothquant_scales(inputs[group.name], weights, group, config.alpha)
+            layer,
+            group,
+            smoothquant_scales(inputs[group.name], weights, group, config.options.alpha),
         )
     return round_layer(layer, groups, config.weight_spec)
 
@@ -263,7 +272,7 @@ def awq_scales(
             group_weights(layer, group),
             group,
             spec,
-            config.awq_grid,
+            config.options.awq_grid,
         ).scales
         for group in groups
     }
@@ -283,7 +292,7 @@ def awq_layer(
         x = x / to_input_channels(group, scales[group.name]).float()  # what the layer sees now
         for name in group.linears:
             w = layer.get_submodule(name).weight.detach().float()
-            clip_this = config.awq_clip and not name.endswith(("q_proj", "k_proj"))
+            clip_this = config.options.awq_clip and not name.endswith(("q_proj", "k_proj"))
             clip = awq_clip(w, x, spec) if clip_this else 1.0
             out[name] = quantize_tensor(w, spec, clip=clip)
     return out
@@ -311,7 +320,7 @@ def smooth_model(
 
     if method not in ("smoothquant", "awq"):
         raise ValueError(f"smooth_model folds 'smoothquant' or 'awq' scales, got {method!r}.")
-    config = QuantConfig(method=method, **options)  # type: ignore[arg-type]
+    config = QuantConfig.build(method, **options)
     new = copy.deepcopy(model).eval()
 
     def fold_only(
@@ -322,7 +331,7 @@ def smooth_model(
         else:
             weights = {g.name: group_weights(layer, g) for g in groups}
             scales = {
-                g.name: smoothquant_scales(inputs[g.name], weights[g.name], g, config.alpha)
+                g.name: smoothquant_scales(inputs[g.name], weights[g.name], g, config.options.alpha)
                 for g in groups
             }
         for group in groups:
@@ -334,9 +343,56 @@ def smooth_model(
     return new
 
 
+@dataclass(frozen=True)
+class SmoothQuantOptions:
+    """SmoothQuant's own setting: the migration strength α (the paper uses 0.5)."""
+
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1] (SmoothQuant uses 0.5), got {self.alpha}.")
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    """AWQ's own settings: α searched on {0, 1/n, ..., (n-1)/n} (the paper: n = 20), and
+    whether to search a clipping ratio per layer."""
+
+    awq_grid: int = 20
+    awq_clip: bool = True
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.awq_grid, bool)
+            or not isinstance(self.awq_grid, int)
+            or self.awq_grid < 1
+        ):
+            raise ValueError(
+                f"awq_grid must be an integer >= 1 (AWQ uses 20), got {self.awq_grid!r}."
+            )
+
+
+register_quant_method(
+    QuantMethod(
+        "smoothquant",
+        "W8A8: move activation outliers into the weights, then round both",
+        SmoothQuantOptions,
+        smoothquant_layer,
+        act_bits=8,
+    )
+)
+register_quant_method(
+    QuantMethod(
+        "awq", "weight-only: scale salient input channels up before rounding", AWQOptions, awq_layer
+    )
+)
+
 __all__ = [
     "CLIP_RATIOS",
+    "AWQOptions",
     "ScaleSearch",
+    "SmoothQuantOptions",
     "awq_clip",
     "awq_layer",
     "awq_scales",

@@ -4,8 +4,8 @@ A sparse MLP must compute exactly what the dense MLP computes with the inactive 
 h_j = act(W_gate[j] . x) (W_up[j] . x) set to zero. ``MaskedMLP`` is that definition: it reads
 every weight, applies a mask (from a threshold, a selector, or the mask a ``SparseMLP`` really
 used) and is slow on purpose; the tests and notebooks compare every sparse path against it.
-``calibrate_thresholds`` gives CATS's per-layer thresholds on |act(W_gate x)| (Lee et al. 2024)
-for a target sparsity, ``gate_activations`` the values they are read from.
+``gate_activations`` gives the values CATS's thresholds on |act(W_gate x)| are read from
+(``minisparse.sparsity.cats_thresholds``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from ..core.model import MLP, Transformer
 __all__ = [
     "MaskedMLP",
     "Selector",
-    "calibrate_thresholds",
     "gate_activations",
     "layer_selector",
     "masked_mlps",
@@ -134,14 +133,3 @@ def gate_activations(model: Transformer, tokens: Tensor) -> list[Tensor]:
         for h in hooks:
             h.remove()
     return out
-
-
-def calibrate_thresholds(model: Transformer, tokens: Tensor, sparsity: float) -> list[float]:
-    """Per-layer thresholds t_l with P(|act(gate x)| <= t_l) = sparsity on ``tokens``.
-
-    CATS thresholds on the gate activation (chapter 03's ``calibrate_thresholds`` at the
-    ``mlp_act`` site): with them a fraction ``sparsity`` of neurons is skipped on average.
-    """
-    from ..sparsity import calibrate_thresholds as calibrate
-
-    return calibrate(model, tokens, sparsity, sites=("mlp_act",), progress=False)["mlp_act"]

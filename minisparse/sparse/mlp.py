@@ -50,7 +50,6 @@ from ..kernels.cpu_int8 import gather_gemv_i8, sparse_ffn_i8, sparse_input_gemv_
 from .masks import (
     MaskedMLP,
     Selector,
-    calibrate_thresholds,
     gate_activations,
     layer_selector,
     masked_mlps,
@@ -73,7 +72,6 @@ __all__ = [
     "Selector",
     "SparseMLP",
     "activation_name",
-    "calibrate_thresholds",
     "gate_activations",
     "kernel_ops",
     "masked_mlps",

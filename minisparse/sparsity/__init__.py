@@ -26,6 +26,13 @@ GPU" (2023); Liu et al., "Training-Free Activation Sparsity in Large Language Mo
 
 from __future__ import annotations
 
+from .methods import (
+    SPARSITY_METHODS,
+    TEAL_SITES,
+    SparsityMethod,
+    register_sparsity,
+    sparsity_method,
+)
 from .savings import ProjectionSavings, projection_skips, savings
 from .stats import (
     BINS_PER_DECADE,
@@ -54,6 +61,7 @@ from .thresholds import (
     apply_thresholds,
     apply_thresholds_,
     calibrate_thresholds,
+    cats_thresholds,
     check_threshold,
     remove_thresholds,
     remove_thresholds_,
@@ -68,15 +76,19 @@ __all__ = [
     "N_BINS",
     "SITES",
     "SLOTS",
+    "SPARSITY_METHODS",
+    "TEAL_SITES",
     "MagnitudeThreshold",
     "ProjectionSavings",
     "SiteStats",
+    "SparsityMethod",
     "SparsityStats",
     "Thresholds",
     "apply_thresholds",
     "apply_thresholds_",
     "attach",
     "calibrate_thresholds",
+    "cats_thresholds",
     "check_sites",
     "check_sparsity",
     "check_threshold",
@@ -87,10 +99,12 @@ __all__ = [
     "projection_skips",
     "record",
     "recording",
+    "register_sparsity",
     "remove_thresholds",
     "remove_thresholds_",
     "savings",
     "site_width",
+    "sparsity_method",
     "thresholds_applied",
     "thresholds_at",
     "top_share",

@@ -72,6 +72,17 @@ def calibrate_thresholds(
     return thresholds_at(stats, sparsity, sites)
 
 
+def cats_thresholds(model: Transformer, tokens: Tensor, sparsity: float) -> list[float]:
+    """CATS (Lee et al. 2024): per layer, the t_l with P(|act(W_gate x)| <= t_l) = ``sparsity``.
+
+    ``calibrate_thresholds`` at the ``mlp_act`` site, one threshold per layer: with them a share
+    ``sparsity`` of the neurons is skipped on average (what ``minisparse.sparse`` acts on).
+    """
+    return calibrate_thresholds(model, tokens, sparsity, sites=("mlp_act",), progress=False)[
+        "mlp_act"
+    ]
+
+
 def thresholds_at(stats: SparsityStats, sparsity: float, sites: Sequence[str]) -> Thresholds:
     """The thresholds ``calibrate_thresholds`` returns, from statistics already recorded.
 
@@ -199,6 +210,7 @@ __all__ = [
     "apply_thresholds",
     "apply_thresholds_",
     "calibrate_thresholds",
+    "cats_thresholds",
     "check_threshold",
     "remove_thresholds",
     "remove_thresholds_",

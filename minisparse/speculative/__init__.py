@@ -2,7 +2,8 @@
 
 The package's face: every public name of its modules, importable from here."""
 
-from . import loop
+from . import loop, registry
 from .loop import *  # noqa: F403
+from .registry import *  # noqa: F403
 
-__all__ = loop.__all__
+__all__ = [*loop.__all__, *registry.__all__]

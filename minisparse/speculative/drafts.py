@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from ..core.model import Block, Transformer, check_count, make_cache
 from ..quant.apply import quantize_model
 from ..runtime.decoder import MAX_TOKENS, Decoder
-from ..sparse.mlp import calibrate_thresholds, sparse_mlps
+from ..sparse.mlp import sparse_mlps
+from ..sparsity.thresholds import cats_thresholds
 from .sampling import Sampling
 
 
@@ -207,10 +208,10 @@ def early_exit_draft(model: Transformer, n_layers: int) -> ModelDraft:
 def sparse_draft(model: Transformer, calibration_tokens: Tensor, sparsity: float) -> ModelDraft:
     """``model`` with chapter 07's sparse MLPs: per-layer thresholds skip ``sparsity`` of neurons.
 
-    Thresholds are calibrated on ``calibration_tokens`` [batch, seq] (``calibrate_thresholds``);
+    Thresholds are calibrated on ``calibration_tokens`` [batch, seq] (``cats_thresholds``);
     attention, norms, embedding and LM head are shared with ``model``.
     """
-    thresholds = calibrate_thresholds(model, calibration_tokens, sparsity)
+    thresholds = cats_thresholds(model, calibration_tokens, sparsity)
     mlps = sparse_mlps(model, thresholds)
     layers = []
     for layer, mlp in zip(model.layers, mlps, strict=True):
