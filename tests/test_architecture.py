@@ -318,3 +318,24 @@ def test_each_technique_registers_its_lowering_by_exact_type():
     assert MagnitudeThreshold in lowered_types("activation")
     assert SparseMLP in lowered_types("mlp")
     assert LayerSelect in lowered_types("selector")
+
+
+def test_no_module_is_longer_than_400_lines():
+    """One concept per module: a module past 400 lines is two ideas that want their own file."""
+    long = {
+        name: n
+        for name, path in package_modules(ROOT, PACKAGE).items()
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, f"modules over 400 lines: {long}"
+
+
+def test_the_library_never_imports_the_benchmarks():
+    """``minisparse.bench`` measures the library; the library (bench and the CLI aside) never
+    reaches up into it."""
+    graph = import_graph()
+    for module, targets in graph.items():
+        if module.startswith(("minisparse.bench", "minisparse.cli", "minisparse.__main__")):
+            continue
+        up = sorted(t for t in targets if t.startswith("minisparse.bench"))
+        assert not up, f"{module} imports {up}"

@@ -31,6 +31,7 @@ from minisparse.offload.hybrid import apply
 from minisparse.relufy import finetune as F
 from minisparse.relufy import relufy
 from minisparse.sparse import masked_mlps, swap_mlps
+from minisparse.sparsity.methods import unchanged
 
 TOKENS = torch.tensor([[5, 17, 3, 88, 41, 2, 60, 9]])
 #: Sizes where the int4 CPU kernel applies (rows % 16 == 0, rows of 64 columns).
@@ -196,6 +197,32 @@ def test_functions_without_underscore_return_a_new_model_and_leave_the_argument(
     model = tiny_model(seed=5)
     before = snapshot(model)
     new = COPIES[name](model)
+    assert new is not model
+    assert_unchanged(model, before)
+    assert not torch.equal(logits(new)[0], logits(model)[0])
+
+
+def registered_copies() -> dict[str, Callable[[nn.Module], nn.Module]]:
+    """Every registered technique that makes a model from a model, read from the registries:
+    one registered later is checked here at once. (``relu`` is left out: it loads chapter 04's
+    saved fine-tune; ``relufy`` above is its copy rule.)"""
+    calib = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    rows: dict[str, Callable[[nn.Module], nn.Module]] = {
+        f"weight format {name}": lambda m, name=name: Q.low_bit(m, name)
+        for name, fmt in Q.WEIGHT_FORMATS.items()
+        if fmt.bits is not None
+    }
+    for name, method in S.SPARSITY_METHODS.items():
+        if method.model is not unchanged and name != "relu":
+            rows[f"sparsity method {name}"] = lambda m, f=method.model: f(m, calib, 0.5)
+    return rows
+
+
+@pytest.mark.parametrize("name", list(registered_copies()))
+def test_registered_techniques_return_a_new_model_and_leave_the_argument(name):
+    model = tiny_model(seed=5, **INT4_SHAPE)
+    before = snapshot(model)
+    new = registered_copies()[name](model)
     assert new is not model
     assert_unchanged(model, before)
     assert not torch.equal(logits(new)[0], logits(model)[0])

@@ -1,4 +1,4 @@
-"""Benchmarks: the course's benchmarks, all timed by one harness, ``minisparse.timing``.
+"""Benchmarks: the course's benchmarks, all timed by one harness, ``minisparse.measure.timing``.
 
 * ``decode``: ``minisparse bench decode``, greedy decode speed side by side (minisparse,
   transformers, llama.cpp, dense vs sparse MLPs, any set of models).
@@ -10,12 +10,12 @@
   sparse version (ReLU + predictors, or TEAL thresholds) against the ceiling their bytes set.
 
 The harness (warm-up, variants interleaved within every repeat, medians, seconds per token,
-memory bandwidth, roofline) sits beside this package rather than in it: the library measures
-with it too (``minisparse.machine``'s read bandwidth, ``minisparse.offload_time``'s CPU fit),
-and the library never imports this package, which imports the library. Its names are exported
-here as well, with the decode benchmarks', as ``from minisparse.bench import median_time``.
+memory bandwidth, roofline) sits beside this package rather than in it (``minisparse.measure``):
+the library measures with it too (``measure.machine``'s read bandwidth, ``offload.time_model``'s
+CPU fit), and the library never imports this package, which imports the library. Its names are
+exported here as well, with the decode benchmarks', as ``from minisparse.bench import median_time``.
 
-Each benchmark's ``run`` prints ``minisparse.machine.machine().line()`` first and writes
+Each benchmark's ``run`` prints ``minisparse.measure.machine.machine().line()`` first and writes
 ``machine().as_dict()`` into its ``--json`` file: a speed means little without the machine.
 """
 

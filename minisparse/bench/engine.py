@@ -29,9 +29,10 @@ import torch
 
 from ..core.checks import check_count
 from ..engine.compose import EngineConfig, build
+from ..engine.pareto import pareto_front
 from ..measure.machine import machine
 from ..measure.timing import interleaved_decode_steps
-from .speculative import PROMPTS
+from .prompts import PROMPTS
 
 __all__ = [
     "CONFIGS",
@@ -83,12 +84,9 @@ def relu_model_cached() -> bool:
 
 def pareto(rows: list[EngineRow]) -> list[EngineRow]:
     """Mark the rows no other row beats on both speed and perplexity."""
-    for r in rows:
-        r.pareto = not any(
-            o.tok_s >= r.tok_s and o.perplexity <= r.perplexity and o is not r
-            and (o.tok_s > r.tok_s or o.perplexity < r.perplexity)
-            for o in rows
-        )  # fmt: skip
+    front = pareto_front([(r.tok_s, r.perplexity) for r in rows])
+    for r, on_front in zip(rows, front, strict=True):
+        r.pareto = on_front
     return rows
 
 

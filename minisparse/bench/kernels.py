@@ -7,13 +7,11 @@ shape and sparsity s, three products side by side with the dense product they re
 * ``down``: column-sparse GEMV over the active neurons (dense: ``F.linear(h, W_down)``);
 * ``ffn``: the whole sparse gated FFN (dense: the three linears and the activation).
 
-At batch 1 each is memory-bound: a kernel that reads a fraction (1 - s) of the weights can at
-best take (1 - s) of the dense time, so we report ``time / dense`` and
-``(time / dense) / (1 - s)`` (1.0 = at the ideal, below 1 = faster than the dense kernel's own
-bandwidth) and the achieved GB/s against a measured copy bandwidth. On a CPU the kernels are
-the C fast path (``minisparse.kernels.cpu``); on CUDA the Triton kernels.
+At batch 1 each is memory-bound: reading (1 - s) of the weights takes at best (1 - s) of the
+dense time, so we report ``time / dense``, ``(time / dense) / (1 - s)`` (1.0: the ideal) and
+GB/s against a measured copy bandwidth. CPU: the C fast path; CUDA: the Triton kernels.
 
-Measurement rules (``minisparse.timing``): variants are interleaved within every repeat so
+Measurement rules (``minisparse.measure.timing``): variants are interleaved within every repeat so
 machine drift hits all of them alike, warm-up first, median of repeats. The active neurons are
 drawn at random and rotated between calls (several sets per sparsity), and so are the weights:
 each call reads the next of several copies of the FFN, as many as it takes to exceed
@@ -29,7 +27,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -43,6 +40,7 @@ from ..core.model import check_count
 from ..kernels.workloads import FFNWeights, check_sparsity, random_active_sets, random_ffn
 from ..measure.machine import machine
 from ..measure.timing import copy_bandwidth, interleaved_medians
+from .kernel_studies import gather_progression, union_density, weight_copies
 
 __all__ = [
     "KERNELS",
@@ -228,13 +226,6 @@ def bench_shape(
     return rows
 
 
-def weight_copies(ffn_bytes: int, working_set_mb: float) -> int:
-    """How many copies of an FFN of ``ffn_bytes`` exceed ``working_set_mb`` (at least one)."""
-    if working_set_mb < 0:
-        raise ValueError(f"working_set_mb must be at least 0 (0: one copy), got {working_set_mb}.")
-    return max(1, math.ceil(working_set_mb * 2**20 / ffn_bytes))
-
-
 def sparse_ffn_of(ops: dict[str, Callable], x: Tensor, w: FFNWeights, idx: Tensor) -> Tensor:
     return ops["sparse_ffn"](x, w.W_gate, w.W_up, w.W_down_t, idx, "silu")
 
@@ -270,56 +261,6 @@ def bench_sparse_ffn(
                 cuda_graphs, working_set_mb,
             )  # fmt: skip
     return rows, bandwidth
-
-
-def gather_progression(
-    dim: int = 4096,
-    ffn: int = 11008,
-    sparsities: tuple[float, ...] = (0.5, 0.9),
-    repeats: int = 10,
-    warmup: int = 2,
-    seed: int = 0,
-) -> dict[float, dict[str, float]]:
-    """Row-sparse GEMV on the CPU, naive to fast: time / dense time for each step.
-
-    Steps: ``index_select`` + matmul (copies the rows), the fused C loop, + software prefetch,
-    + huge pages. Dense is ``F.linear`` on the ordinary (4 KiB page) weights. Needs the C fast
-    path.
-    """
-    from ..kernels import cpu
-
-    if not cpu.fast_path_available():
-        raise RuntimeError("The CPU fast path is not compiled; install gcc or clang (or set CC).")
-    gen = torch.Generator().manual_seed(seed)
-    W = torch.randn(ffn, dim, generator=gen)
-    W_huge = cpu.hugepage_copy(W)
-    x = torch.randn(dim, generator=gen)
-    out: dict[float, dict[str, float]] = {}
-    for s in sparsities:
-        sets = itertools.cycle(random_active_sets(ffn, s, 8, seed + 1))
-        fns = {
-            "dense": lambda: F.linear(x, W),
-            "index_select + matmul": lambda sets=sets: W.index_select(0, next(sets)) @ x,
-            "fused loop": lambda sets=sets: cpu.gather_rows_dot(W, x, next(sets), False),
-            "+ prefetch": lambda sets=sets: cpu.gather_rows_dot(W, x, next(sets), True),
-            "+ huge pages": lambda sets=sets: cpu.gather_rows_dot(W_huge, x, next(sets), True),
-        }
-        t = interleaved_medians(fns, repeats, warmup)
-        out[s] = {name: t[name] / t["dense"] for name in fns if name != "dense"}
-    return out
-
-
-def union_density(masks: Tensor, batch: int) -> float:
-    """Mean fraction of neurons active in at least one of ``batch`` consecutive tokens.
-
-    masks: [tokens, ffn] booleans (True = active). Tokens are grouped in order, as a batch of
-    decode streams or a prompt chunk would be.
-    """
-    n = masks.shape[0] // batch * batch
-    if n == 0:
-        raise ValueError(f"Need at least {batch} tokens of masks, got {masks.shape[0]}.")
-    groups = masks[:n].reshape(-1, batch, masks.shape[1])
-    return groups.any(1).float().mean().item()
 
 
 def format_table(rows: list[BenchRow], bandwidth_gbs: float) -> str:

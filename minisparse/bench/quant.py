@@ -2,7 +2,7 @@
 
 ``minisparse bench quant`` (or ``python -m minisparse.bench.quant``) builds the variants from
 one model, decodes the same prompt with each in turn within every repeat (warm-up first, median
-of repeats; ``minisparse.timing``'s rules), and prints per variant: tokens/s and the
+of repeats; ``minisparse.measure.timing``'s rules), and prints per variant: tokens/s and the
 ratio to float32, the bytes a decode step streams and their ratio, the bandwidth roofline, and
 whether the greedy tokens equal float32's.
 
@@ -14,7 +14,7 @@ touch.
 
 Every variant decodes as torch modules (``generate(compiled=False)``), so that a step splits
 into the swept linear layers and the rest; ``generate``'s default compiled step
-(``minisparse.decode``) runs float32, int8 and int4 faster still (``minisparse bench decode``,
+(``minisparse.runtime``) runs float32, int8 and int4 faster still (``minisparse bench decode``,
 notebook 00). Variants: ``fp32`` (the loaded model: torch's GEMV on ``nn.Linear`` weights),
 ``bf16`` (all weights and activations in bfloat16; torch's GEMV), ``int8`` (weight-only, one
 scale per output channel, ``_weight_int8pack_mm``), ``int4`` (weight-only, groups of

@@ -46,8 +46,8 @@ from ..predictors.lowrank import Predictor, init_random
 from ..relufy.recipe import load_relufied
 from ..sparsity import apply_thresholds_, calibrate_thresholds
 from .engine import relu_model_cached
+from .prompts import PROMPTS
 from .sparse_steps import SITE_PROJECTIONS, SparseDecodeResult, bench_sparse_decode
-from .speculative import PROMPTS
 
 __all__ = [
     "SHAPES",

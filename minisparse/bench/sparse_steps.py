@@ -4,7 +4,7 @@ The functions behind ``minisparse bench sparse-decode`` (``minisparse.bench.spar
 Only decoding is timed: each model prefills the prompt once into a static KV cache and keeps
 one ``Decoder``; each timed run makes exactly N greedy ``decoder.step`` calls from the same
 first token (the model's own greedy one) and position, never stopping at an end token. The
-models alternate within each repeat (``minisparse.timing``); speed: N / median time.
+models alternate within each repeat (``minisparse.measure.timing``); speed: N / median time.
 
 The ceiling. A batch-1 step is bound by memory: its time is about B / bandwidth, B the weight
 bytes it reads (dense: B_d = ``engine.step_bytes``). A zero input x_j makes the column W[:, j]

@@ -263,7 +263,8 @@ def generate(
     ``window=``), ``"h2o"`` (``budget=``, ``recent=``), or a fresh per-layer cache object
     (``minisparse.kvcache``). Sampling without ``seed`` draws from torch's global generator
     (``torch.manual_seed`` makes it repeatable). With ``compiled`` (default) a float32 model on
-    the CPU decodes through ``minisparse.decode.Decoder`` (one compiled call per block half,
+    the CPU decodes through ``minisparse.runtime.decoder.Decoder`` (one compiled call per block
+    half,
     same results); ``compiled=False`` runs every step as torch modules. Every argument is
     checked before any work.
     """

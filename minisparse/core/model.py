@@ -8,9 +8,9 @@ windows):
     h_l     = a_l + MLP_l(RMSNorm(a_l))                   pre-norm gated MLP + residual
     logits  = RMSNorm(h_L) @ W_out^T                      W_out = E when embeddings are tied
 
-Its shape is a ``ModelConfig`` (``minisparse.model_config``); its layers (RMSNorm, grouped-query
+Its shape is a ``ModelConfig`` (``minisparse.core.config``); its layers (RMSNorm, grouped-query
 attention with RoPE, the gated MLP, the block, the static ``KVCache``) are in
-``minisparse.model_layers``, and all of them can be imported from here too. This module stacks
+``minisparse.core.layers``, and all of them can be imported from here too. This module stacks
 them into the ``Transformer``, checks what it is given (token ids, caches), and chooses how the
 weights lie in memory for fast batch-1 decoding on a CPU.
 
@@ -176,7 +176,7 @@ def check_cache(cache: Sequence[Any], n_layers: int) -> None:
     except TypeError:
         raise ValueError(
             f"cache must be a sequence of per-layer caches, got {type(cache).__name__}; build "
-            "one with minisparse.model.make_cache or minisparse.kvcache.make_kv_cache."
+            "one with minisparse.core.model.make_cache or minisparse.kvcache.make_kv_cache."
         ) from None
     if size != n_layers:
         raise ValueError(

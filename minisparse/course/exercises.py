@@ -3,7 +3,7 @@
 Every chapter asks the learner to write two or three of the functions it teaches from stubs, e.g.
 
     def my_apply_rope(x, cos, sin): ...
-    minisparse.exercises.check("rope", my_apply_rope)
+    minisparse.course.exercises.check("rope", my_apply_rope)
 
 ``check`` runs the learner's function and the library's on fresh random inputs with odd
 shapes (a new seed every call unless one is given), and prints either a pass or the first

@@ -1,5 +1,5 @@
-"""Running the learner's function for ``minisparse.exercises.check``: on copies of the inputs,
-under a time limit, with what went wrong said in the learner's terms (an error it raised, a
+"""Running the learner's function for ``minisparse.course.exercises.check``: on copies of the
+inputs, under a time limit, with what went wrong said in the learner's terms (an error it raised, a
 ``None`` an unfinished stub returns, an input it changed in place, a call that never ends)."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Inputs and library references for the checked exercises of chapters 00 to 05.
 
-``CASES`` maps each exercise name of ``minisparse.exercises`` to a pair (reference, cases): the
-library's own function that the learner's version is compared with (called here, never written
-again), and a generator of fresh inputs for one round of the check, with odd shapes and the
-edge cases a first attempt tends to miss (a row of zeros, an empty cache, k larger than the
+``CASES`` maps each exercise name of ``minisparse.course.exercises`` to a pair (reference,
+cases): the library's own function that the learner's version is compared with (called here,
+never written again), and a generator of fresh inputs for one round of the check, with odd shapes
+and the edge cases a first attempt tends to miss (a row of zeros, an empty cache, k larger than the
 vocabulary). The task, the hint and the comparison of each exercise live in the registry.
 """
 

@@ -1,7 +1,7 @@
 """Inputs and library references for the checked exercises of chapters 06 to 11.
 
-``CASES`` maps each exercise name of ``minisparse.exercises`` to a pair (reference, cases), as
-in ``exercise_sets_early``: the library's own function, called, and fresh random inputs for one
+``CASES`` maps each exercise name of ``minisparse.course.exercises`` to a pair (reference,
+cases), as in ``sets_early``: the library's own function, called, and fresh random inputs for one
 round of the check, edge cases included (empty index sets, nothing active, a draft equal to the
 target, duplicate points on a Pareto front).
 """
@@ -276,17 +276,9 @@ def _pareto_cases(gen: torch.Generator) -> Cases:
 
 
 def _pareto(points: list[tuple[float, float]]) -> list[bool]:
-    from ..bench.engine import EngineRow, pareto
+    from ..engine.pareto import pareto_front
 
-    rows = [
-        EngineRow(
-            name=f"{i}", description="", tok_s=s, ratio_to_dense=1.0, ratio_range=(1.0, 1.0),
-            prefill_ms=0.0, perplexity=p, mb_per_token=0.0, resident_mb=0.0,
-            same_tokens_as_dense=False,
-        )
-        for i, (s, p) in enumerate(points)
-    ]  # fmt: skip
-    return [row.pareto for row in pareto(rows)]
+    return pareto_front(points)
 
 
 def _toy_model(gen: torch.Generator, dtype: torch.dtype, tied: bool, int8: bool) -> nn.Module:

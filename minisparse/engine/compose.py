@@ -300,7 +300,8 @@ def split(model: Transformer, placement: Placement, thresholds: Any, select: Any
 
 
 def sparse_model(model: Transformer, thresholds: Any, select: Any, kernels: bool) -> Transformer:
-    from ..sparse.mlp import masked_mlps, sparse_mlps, swap_mlps_
+    from ..sparse.masks import masked_mlps
+    from ..sparse.swap import sparse_mlps, swap_mlps_
 
     new = copy.deepcopy(model)
     limits = None if select is not None else thresholds

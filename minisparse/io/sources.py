@@ -6,8 +6,8 @@ finds it without importing the package). Every source is read with transformers,
 remote code: a GGUF file is dequantized to float32 (``hf_from_gguf``, about 20 s on two cores),
 a directory or a Hugging Face id is read with ``from_pretrained`` (``hf_from_pretrained``; an id
 needs the network the first time, transformers caches it afterwards). Each returns
-transformers' model and its tokenizer; ``minisparse.hf.from_hf`` then copies the weights into a
-``Transformer`` and ``minisparse.loading.load`` ties it together.
+transformers' model and its tokenizer; ``minisparse.io.hf.from_hf`` then copies the weights into a
+``Transformer`` and ``minisparse.io.loading.load`` ties it together.
 
 Only Llama-family decoders are accepted (``check_architecture``). Errors say what really
 happened: a GGUF that the ``gguf`` reader cannot parse is corrupt or truncated; a package that

@@ -1,8 +1,8 @@
 """The weight cache: a model dequantized once is read back in a second or two.
 
 Dequantizing the embedded GGUF and copying it into a ``Transformer`` takes about 20 s on two
-cores; reading float32 safetensors takes a second or two. So ``minisparse.loading.load`` keeps
-what it built in the user cache directory (``minisparse.cache.cache_dir()``, overridable with
+cores; reading float32 safetensors takes a second or two. So ``minisparse.io.loading.load`` keeps
+what it built in the user cache directory (``minisparse.io.cache.cache_dir()``, overridable with
 ``MINISPARSE_CACHE``)::
 
     <cache>/<model-key>/model.safetensors   weights + the ModelConfig as JSON metadata
@@ -12,7 +12,7 @@ what it built in the user cache directory (``minisparse.cache.cache_dir()``, ove
 Four rules keep the cache correct:
 
 * **Atomic writes.** Every file is written to a temporary name and renamed into place
-  (``save_atomic``, ``minisparse.cache``), so an interrupted write never leaves a half-written
+  (``save_atomic``, ``minisparse.io.cache``), so an interrupted write never leaves a half-written
   file that looks valid; a corrupt or stale file is detected (``load_cached``,
   ``cached_tokenizer``) and rebuilt.
 * **Keyed on content.** The weights record the source's ``fingerprint``, its size and a hash of

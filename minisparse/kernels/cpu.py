@@ -232,7 +232,7 @@ def dense_gemv(W_t: Tensor, x: Tensor) -> Tensor:
     W_t [K, N] (W transposed, contiguous), x [K] or [B, K], float32 on the CPU; returns [N] or
     [B, N]. The loop reads W_t's rows in memory order with software prefetch, which on the
     course's CPU streams weights faster than the BLAS GEMV does at batch 1 (chapter 07
-    measures both); ``minisparse.model.Linear`` uses it for single-token decoding. Without the
+    measures both); ``minisparse.core.model.Linear`` uses it for single-token decoding. Without the
     compiled library (``fast_path_available()``) torch computes the same.
     """
     check_matrix("W_t", W_t)

@@ -4,7 +4,7 @@ Chapter 07 reads only the active rows of float32 weights; chapter 09 reads every
 bits. Both save bytes of a memory-bound GEMV, and they multiply: a fraction s of the rows
 skipped, each row a quarter of its float32 bytes, leaves (1 - s) / 4 of the dense float32 bytes.
 
-The weights are chapter 09's int8 weight-only format (``minisparse.quant_layers.Int8Linear``):
+The weights are chapter 09's int8 weight-only format (``minisparse.quant.layers.Int8Linear``):
 codes q [out, in] int8 and one symmetric float32 scale per output channel, W[o, k] = s[o] q[o, k].
 Two products, both accumulated in float32:
 

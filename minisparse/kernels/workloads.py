@@ -7,7 +7,7 @@ cache while dense streams everything. On the CPU the weights are placed in huge 
 (``minisparse.kernels.cpu.hugepage_copy``), as the C fast path expects.
 
 Used by the sparse-FFN benchmark (``minisparse.bench.kernels``, chapter 07) and by the CPU
-measurement of the hot/cold offload model (``minisparse.offload_time.measure_cpu``, chapter 08).
+measurement of the hot/cold offload model (``offload.time_model.measure_cpu``, chapter 08).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ memory traffic.
 
 Four ways to hold it, all made by ``make_kv_cache`` and all run by ``model(tokens, pos, cache)``:
 
-* **static** (``minisparse.model.KVCache``): one preallocated [max_len] buffer per layer; no
+* **static** (``minisparse.core.model.KVCache``): one preallocated [max_len] buffer per layer; no
   allocation while decoding, but a server that reserves max_len per request wastes whatever the
   request does not use;
 * **paged** (vLLM, Kwon et al., 2023; ``kvcache_paged``): a pool of fixed-size blocks, a block

@@ -1,7 +1,7 @@
 """The timing harness every benchmark uses: warm-up, interleaved variants, medians, bandwidth.
 
 The benchmarks (``minisparse.bench``) and the library's own measurements
-(``minisparse.machine``, ``minisparse.offload_time``) all time through this module.
+(``minisparse.measure.machine``, ``minisparse.offload.time_model``) all time through this module.
 
 Rules every benchmark in the course follows:
 

@@ -10,7 +10,7 @@ On CUDA the hot part runs on the GPU in a worker thread while the CPU computes t
 and the only traffic is the layer's input going down and the cold part's output coming back,
 as in PowerInfer. Without a GPU both parts run on the CPU: the logits are exact and the
 fast-device load is measured from the masks each part really used, while the *time* of the
-hybrid system comes from ``minisparse.offload_time``'s model.
+hybrid system comes from ``minisparse.offload.time_model``'s model.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from ..core.model import MLP, Transformer
 from ..sparse.masks import layer_selector
-from ..sparse.mlp import SparseMLP, swap_mlps_
+from ..sparse.mlp import SparseMLP
+from ..sparse.swap import swap_mlps_
 from ..sparsity import per_layer
 from .placement import Placement
 

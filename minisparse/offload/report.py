@@ -6,7 +6,7 @@ The budget is a share of the model's FFN bytes (0.3 = the fast device holds 30 %
 Frequencies come from the calibration split of the default corpus, placements are made on
 them, and every load and speed is read on the held-out split. The slow device is this CPU,
 measured; the fast device is the named GPU's specification: speeds are **modelled**
-(``minisparse.offload_time``). The notebook of chapter 08 calls ``offload_report`` too.
+(``minisparse.offload.time_model``). The notebook of chapter 08 calls ``offload_report`` too.
 """
 
 from __future__ import annotations

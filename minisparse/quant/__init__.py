@@ -3,10 +3,11 @@ and GPTQ.
 
 The package's face: every public name of its modules, importable from here."""
 
-from . import apply, formats
+from . import apply, formats, options
 from . import gptq as gptq  # registers GPTQ
 from . import smoothing as smoothing  # registers SmoothQuant and AWQ
 from .apply import *  # noqa: F403
 from .formats import *  # noqa: F403
+from .options import *  # noqa: F403
 
-__all__ = [*apply.__all__, *formats.__all__]
+__all__ = [*apply.__all__, *formats.__all__, *options.__all__]

@@ -4,7 +4,7 @@ At batch 1 a decode step streams every weight once (chapter 00), so its time is 
 bytes / bandwidth. Storing weights in 8 bits instead of 32 divides those bytes by 4, in 4 bits
 by 8 — if the model still works, and if a kernel reads the low-bit weights directly.
 
-**Uniform quantization** (``minisparse.quant_tensor``) stores a group of numbers as b-bit
+**Uniform quantization** (``minisparse.quant.tensor``) stores a group of numbers as b-bit
 integer codes q and one scale s (and, for the asymmetric form, one offset m), x̂ = s q + m, with
 s = max|x| / (2^(b-1) - 1) (symmetric) or (max x - min x) / (2^b - 1) (asymmetric). Rounding to
 the nearest grid point errs by at most s / 2, so the error is set by the range of the group, and
@@ -17,24 +17,24 @@ activations have a few channels with values 10-100x larger than the rest (Dettme
 2022), and they wreck the per-token grid. Three methods fix what plain round-to-nearest (RTN)
 gets wrong; they live in their own modules and ``quantize_model`` runs them:
 
-* **SmoothQuant** (Xiao et al., ICML 2023; ``minisparse.smoothing``): divide activation channel
+* **SmoothQuant** (Xiao et al., ICML 2023; ``quant.smoothing``): divide activation channel
   j by s_j = max|x_j|^α / max|W_:,j|^(1-α) and multiply weight column j by s_j. The product is
   unchanged, and the outliers migrate into the weights, which are easier to quantize.
-* **AWQ** (Lin et al., MLSys 2024; ``minisparse.smoothing``): the same equivalent scaling, used
+* **AWQ** (Lin et al., MLSys 2024; ``quant.smoothing``): the same equivalent scaling, used
   for weight-only quantization: scaling up the columns that meet large activations protects the
   salient weights. s = mean|x|^α, with α picked by a grid search on the layer's output error,
   then a search of the clip ratio per group.
-* **GPTQ** (Frantar et al., ICLR 2023; ``minisparse.gptq``): quantize W column by column and
+* **GPTQ** (Frantar et al., ICLR 2023; ``minisparse.quant.gptq``): quantize W column by column and
   push each column's rounding error onto the columns not yet quantized, weighted by the inverse
   Hessian of the layer's squared output error, H = X^T X.
 
 The scaling and the Hessian come from calibration text, layer by layer: each layer is measured
 on the outputs of the layers before it *after* their quantization, as GPTQ and AWQ do
-(``minisparse.quant_calibration``).
+(``minisparse.quant.calibration``).
 
 **Execution.** ``quantize_model`` returns a model with fake-quantized weights (the dequantized
 x̂ stored in float32, the reference for quality) or, with ``packed=True``, real low-bit layers
-(``Int8Linear``, ``Int4Linear``; ``minisparse.quant_layers``) that keep only the codes and
+(``Int8Linear``, ``Int4Linear``; ``minisparse.quant.layers``) that keep only the codes and
 scales and call torch's CPU kernels ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``.
 
 **Layout.** The modules build on each other in one direction: ``quant_tensor`` (the codes and
@@ -121,12 +121,12 @@ def check_calibration(tokens: Tensor | None, method: str) -> Tensor:
     if tokens is None:
         raise ValueError(
             f"method {method!r} needs calibration text: pass calib_batches=token_batches("
-            "tokenizer, corpus(split='calib'), 256, 8) (from minisparse.data)."
+            "tokenizer, corpus(split='calib'), 256, 8) (from minisparse.io.data)."
         )
     if tokens.dim() != 2 or tokens.dtype != torch.long:
         raise ValueError(
             f"calib_batches must be token ids [batch, seq] (torch.long), got "
-            f"{tuple(tokens.shape)} {tokens.dtype}; use minisparse.data.token_batches."
+            f"{tuple(tokens.shape)} {tokens.dtype}; use minisparse.io.data.token_batches."
         )
     return tokens
 

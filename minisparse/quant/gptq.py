@@ -31,12 +31,12 @@ its first column is quantized, i.e. after the corrections from earlier columns.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .calibration import LinearGroup, QuantConfig, QuantMethod, register_quant_method
+from .options import GPTQOptions
 from .tensor import QuantizedTensor, QuantSpec, code_dtype, quant_params, round_to_grid
 
 
@@ -147,25 +147,6 @@ def gptq_layer(
     return out
 
 
-@dataclass(frozen=True)
-class GPTQOptions:
-    """GPTQ's own settings: the damping λ = damp · mean(diag H) (the paper: 0.01) and the
-    columns updated together (128)."""
-
-    gptq_damp: float = 0.01
-    gptq_block: int = 128
-
-    def __post_init__(self) -> None:
-        if not self.gptq_damp > 0:
-            raise ValueError(f"gptq_damp must be > 0 (GPTQ uses 0.01), got {self.gptq_damp}.")
-        if (
-            isinstance(self.gptq_block, bool)
-            or not isinstance(self.gptq_block, int)
-            or self.gptq_block < 1
-        ):
-            raise ValueError(f"gptq_block must be an integer >= 1, got {self.gptq_block!r}.")
-
-
 register_quant_method(
     QuantMethod(
         "gptq",
@@ -176,7 +157,6 @@ register_quant_method(
 )
 
 __all__ = [
-    "GPTQOptions",
     "gptq_layer",
     "gptq_quantize",
     "hessian",

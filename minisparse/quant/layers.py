@@ -1,4 +1,4 @@
-"""Quantized linear layers: what runs on the codes of ``minisparse.quant_tensor``.
+"""Quantized linear layers: what runs on the codes of ``minisparse.quant.tensor``.
 
 * ``ActQuantLinear`` fake-quantizes its input on the fly, per token (one scale per row of x) or
   per tensor, before a float matmul: what an int8 x int8 matmul computes for weight-and-

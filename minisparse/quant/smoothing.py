@@ -55,6 +55,7 @@ from .calibration import (
     register_quant_method,
 )
 from .layers import set_weight
+from .options import AWQOptions, SmoothQuantOptions
 from .tensor import (
     QuantizedTensor,
     QuantSpec,
@@ -343,36 +344,6 @@ def smooth_model(
     return new
 
 
-@dataclass(frozen=True)
-class SmoothQuantOptions:
-    """SmoothQuant's own setting: the migration strength α (the paper uses 0.5)."""
-
-    alpha: float = 0.5
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1] (SmoothQuant uses 0.5), got {self.alpha}.")
-
-
-@dataclass(frozen=True)
-class AWQOptions:
-    """AWQ's own settings: α searched on {0, 1/n, ..., (n-1)/n} (the paper: n = 20), and
-    whether to search a clipping ratio per layer."""
-
-    awq_grid: int = 20
-    awq_clip: bool = True
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.awq_grid, bool)
-            or not isinstance(self.awq_grid, int)
-            or self.awq_grid < 1
-        ):
-            raise ValueError(
-                f"awq_grid must be an integer >= 1 (AWQ uses 20), got {self.awq_grid!r}."
-            )
-
-
 register_quant_method(
     QuantMethod(
         "smoothquant",
@@ -390,9 +361,7 @@ register_quant_method(
 
 __all__ = [
     "CLIP_RATIOS",
-    "AWQOptions",
     "ScaleSearch",
-    "SmoothQuantOptions",
     "awq_clip",
     "awq_layer",
     "awq_scales",

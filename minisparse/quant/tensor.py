@@ -24,9 +24,9 @@ shorter (SmolLM2's rows of 576 = 4 × 128 + 64).
 
 This module is the bottom of the quantization stack: plain tensors in, codes and scales out
 (``QuantizedTensor``), and ``fake_quantize`` for the values after a round trip. The layers that
-run on the codes are in ``minisparse.quant_layers``, the methods that choose them in
-``minisparse.gptq`` and ``minisparse.smoothing``, and ``minisparse.quant.quantize_model`` puts
-it all together.
+run on the codes are in ``minisparse.quant.layers``, the methods that choose them in
+``minisparse.quant.gptq`` and ``minisparse.quant.smoothing``, and
+``minisparse.quant.quantize_model`` puts it all together.
 """
 
 from __future__ import annotations

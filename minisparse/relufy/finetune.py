@@ -13,7 +13,7 @@ few hundred thousand tokens on a CPU worth something.
 What trains (``trainable``): ``"mlp"`` (gate/up/down weights only), ``"all"``, or ``"lora"``:
 every projection W of the blocks gets a low-rank update, W x + (alpha / r) B A x with
 A [r, in], B [out, r], B = 0 at the start (Hu et al. 2021); only A and B train, and
-``merge_lora_`` folds B A into W afterwards (``minisparse.finetune_lora``). Functions whose
+``merge_lora_`` folds B A into W afterwards (``minisparse.relufy.lora``). Functions whose
 name ends in ``_`` change the model they are given (``finetune_`` trains the student in place).
 
 Optimiser: AdamW, learning rate warmed up linearly for ``warmup`` steps, then cosine decay to
@@ -341,7 +341,7 @@ def check_train_batches(batches: Tensor, vocab_size: int) -> None:
         shape = tuple(batches.shape) if isinstance(batches, Tensor) else type(batches).__name__
         raise ValueError(
             f"train_batches must be token ids [n, seq] with seq >= 2, got {shape}; build them "
-            "with minisparse.eval.windows(ids, seq_len)."
+            "with minisparse.io.eval.windows(ids, seq_len)."
         )
     if batches.shape[0] < 1:
         raise ValueError("train_batches holds no window; give more text or a shorter seq_len.")

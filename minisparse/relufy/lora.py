@@ -12,7 +12,7 @@ much. After training, ``merge_lora_`` folds the update into the weight, W <- W +
 and the model is a plain ``Transformer`` again: no extra work per token at inference.
 
 ``add_lora_`` wraps every projection of the blocks (``LORA_TARGETS``: q, k, v, o of attention,
-gate, up, down of the MLP) in a ``LoRALinear``; ``minisparse.finetune`` trains them.
+gate, up, down of the MLP) in a ``LoRALinear``; ``minisparse.relufy.finetune`` trains them.
 """
 
 from __future__ import annotations

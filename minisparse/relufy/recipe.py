@@ -13,7 +13,7 @@ activations and fine-tunes briefly to recover the quality:
 
 ``relufy`` returns a new model (the input is untouched; weights are copied unchanged, only the
 activation modules differ): like every function without a trailing underscore, it never
-changes its argument. ``minisparse.finetune`` recovers quality by distillation from the
+changes its argument. ``minisparse.relufy.finetune`` recovers quality by distillation from the
 dense model; ``finetune_relufied`` runs it and keeps the result in the cache, and
 ``load_relufied`` reads it back (what ``minisparse relufy --stage 1 --steps N`` produces).
 """

@@ -64,7 +64,7 @@ def is_int8_mlp(mlp: nn.Module) -> bool:
     if any(kinds) and not all(kinds):
         raise ValueError(
             "A sparse MLP needs gate_proj, up_proj and down_proj all float or all int8 "
-            "(Int8Linear); quantize the whole MLP (minisparse.sparse_mlp_weights.int8_mlp)."
+            "(Int8Linear); quantize the whole MLP (minisparse.sparse.weights.int8_mlp)."
         )
     return all(kinds)
 

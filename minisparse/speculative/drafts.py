@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from ..core.model import Block, Transformer, check_count, make_cache
 from ..quant.apply import quantize_model
 from ..runtime.decoder import MAX_TOKENS, Decoder
-from ..sparse.mlp import sparse_mlps
+from ..sparse.swap import sparse_mlps
 from ..sparsity.thresholds import cats_thresholds
 from .sampling import Sampling
 
