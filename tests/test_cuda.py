@@ -24,8 +24,8 @@ from conftest import IdTokenizer, tiny_model
 from minisparse import kernels
 from minisparse.kernels.reference import (
     gather_gemv_ref,
+    scatter_gemv_ref,
     sparse_ffn_ref,
-    sparse_input_gemv_ref,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -91,12 +91,12 @@ def test_column_sparse_gemv_on_the_gpu(batch, mode, shape, dtype):
     x = torch.randn(*(() if batch is None else (batch,)), k, generator=gen)
     W_g, x_g = on_gpu(W_t, x, dtype=dtype)
     if mode == "threshold":
-        out = kernels.sparse_input_gemv(W_g, x_g, threshold=0.7)
-        ref = sparse_input_gemv_ref(W_g.cpu().double(), x_g.cpu().double(), threshold=0.7)
+        out = kernels.scatter_gemv(W_g, x_g, threshold=0.7)
+        ref = scatter_gemv_ref(W_g.cpu().double(), x_g.cpu().double(), threshold=0.7)
     else:
         idx = indices(k, mode, gen)
-        out = kernels.sparse_input_gemv(W_g, x_g, idx=idx.cuda())
-        ref = sparse_input_gemv_ref(W_g.cpu().double(), x_g.cpu().double(), idx=idx)
+        out = kernels.scatter_gemv(W_g, x_g, idx=idx.cuda())
+        ref = scatter_gemv_ref(W_g.cpu().double(), x_g.cpu().double(), idx=idx)
     assert out.device.type == "cuda" and out.dtype == dtype and out.shape == ref.shape
     assert rel_err(out.cpu(), ref) < TOL[dtype]
 

@@ -30,7 +30,7 @@ FUNCTIONS = {
     "recall_precision": "recall_precision",
     "recall_cutoff": "recall_cutoff",
     "gather_gemv": "gather_gemv",
-    "sparse_input_gemv": "sparse_input_gemv",
+    "scatter_gemv": "scatter_gemv",
     "sparse_ffn": "sparse_ffn",
     "fast_load": "fast_load",
     "top_overlap": "top_overlap",
@@ -141,7 +141,7 @@ WRONG = {
     "recall_precision": lambda pred, actual: solution("recall_precision")(pred, actual)[::-1],
     "recall_cutoff": lambda logits, active, r: float(torch.quantile(logits.flatten(), 1 - r)),
     "gather_gemv": as_mask,
-    "sparse_input_gemv": lambda W_t, x, t: (x * (x.abs() > t)) @ W_t,  # 0 x NaN = NaN
+    "scatter_gemv": lambda W_t, x, t: (x * (x.abs() > t)) @ W_t,  # 0 x NaN = NaN
     "sparse_ffn": activation_of_product,
     "fast_load": lambda hot, f: sum(float(h.float().mean()) for h in hot) / len(hot),
     "top_overlap": jaccard,

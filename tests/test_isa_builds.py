@@ -32,7 +32,7 @@ from minisparse.kernels.cpu_build import (
     resolve_compiler,
     with_local_headers,
 )
-from minisparse.kernels.reference import gather_gemv_ref, sparse_ffn_ref, sparse_input_gemv_ref
+from minisparse.kernels.reference import gather_gemv_ref, scatter_gemv_ref, sparse_ffn_ref
 from minisparse.runtime.decoder import Decoder
 from minisparse.runtime.step import declare_step_library
 from minisparse.sparse import sparsify
@@ -148,7 +148,7 @@ def test_sparse_mlp_steps_equal_torch(library, mode):
 @pytest.mark.parametrize("kind", ["random", "clustered", "full"])
 @pytest.mark.parametrize("batch", [None, 3])
 def test_sparse_loops_equal_the_float64_references(loops, monkeypatch, kind, batch):
-    """gather_gemv, sparse_input_gemv and sparse_ffn over float32 and int8 weights, each run
+    """gather_gemv, scatter_gemv and sparse_ffn over float32 and int8 weights, each run
     through this instruction set's loops (odd sizes: the vector loops and their tails)."""
     f32, int8 = loops
     monkeypatch.setattr(cpu, "load_library", lambda: f32)
@@ -161,8 +161,8 @@ def test_sparse_loops_equal_the_float64_references(loops, monkeypatch, kind, bat
     g64, x64 = W_gate.double(), x.double()
     assert rel_err(cpu.gather_gemv(W_gate, x, idx), gather_gemv_ref(g64, x64, idx)) <= RTOL
     v = randn(F_, gen=gen) if batch is None else randn(batch, F_, gen=gen)
-    got = cpu.sparse_input_gemv(W_down_t, v, idx=idx)
-    assert rel_err(got, sparse_input_gemv_ref(W_down_t.double(), v.double(), idx=idx)) <= RTOL
+    got = cpu.scatter_gemv(W_down_t, v, idx=idx)
+    assert rel_err(got, scatter_gemv_ref(W_down_t.double(), v.double(), idx=idx)) <= RTOL
     ref = sparse_ffn_ref(x64, g64, W_up.double(), W_down_t.double(), idx, "silu")
     assert rel_err(cpu.sparse_ffn(x, W_gate, W_up, W_down_t, idx, "silu"), ref) <= RTOL
     (qg, sg, wg), (qu, su, wu) = int8_rows(F_, D, gen), int8_rows(F_, D, gen)

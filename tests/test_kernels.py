@@ -22,15 +22,15 @@ from minisparse import kernels
 from minisparse.kernels import cpu, cpu_build, cpu_int8
 from minisparse.kernels.reference import (
     gather_gemv_ref,
+    scatter_gemv_ref,
     sparse_ffn_ref,
-    sparse_input_gemv_ref,
 )
 from minisparse.quant.tensor import QuantSpec, quantize_tensor
 
 TRITON_GATHER = [kernels.gather_gemv, kernels.gather_gemv_naive]
 TRITON_FFN = [kernels.sparse_ffn, kernels.sparse_ffn_unfused]
 ALL_GATHER = [*TRITON_GATHER, cpu.gather_gemv]
-ALL_INPUT = [kernels.sparse_input_gemv, cpu.sparse_input_gemv]
+ALL_INPUT = [kernels.scatter_gemv, cpu.scatter_gemv]
 ALL_FFN = [*TRITON_FFN, cpu.sparse_ffn]
 RTOL = 1e-5  # fp32 relative error, measured against the largest output
 
@@ -139,8 +139,8 @@ def test_sparse_input_gemv(fn, mode, batch):
     kw = {"threshold": 0.8} if mode == "threshold" else {"idx": make_idx(K, mode, gen)}
     out = fn(W_t, x, **kw)
     assert out.shape == ((*x.shape[:-1], N))
-    ref = sparse_input_gemv_ref(W_t, x, **kw)
-    ref64 = sparse_input_gemv_ref(W_t.double(), x.double(), **kw)
+    ref = scatter_gemv_ref(W_t, x, **kw)
+    ref64 = scatter_gemv_ref(W_t.double(), x.double(), **kw)
     if mode == "empty":
         assert torch.equal(out, torch.zeros_like(out))
     else:
@@ -207,8 +207,8 @@ def test_half_inputs_accumulate_in_float32(dtype):
     assert rel_err(out, ref32) <= torch.finfo(dtype).eps
     W_t = randn(50, 40, gen=gen).to(dtype)
     xi = randn(50, gen=gen).to(dtype)
-    out = kernels.sparse_input_gemv(W_t, xi, threshold=0.5)
-    ref = sparse_input_gemv_ref(W_t.double(), xi.double(), threshold=0.5)
+    out = kernels.scatter_gemv(W_t, xi, threshold=0.5)
+    ref = scatter_gemv_ref(W_t.double(), xi.double(), threshold=0.5)
     assert rel_err(out, ref) <= torch.finfo(dtype).eps
 
 
@@ -245,8 +245,8 @@ def test_gather_gemv_shapes_property(n_rows, k, batch, density, seed):
 def test_sparse_input_gemv_shapes_property(k, n, threshold, seed):
     gen = torch.Generator().manual_seed(seed)
     W_t, x = randn(k, n, gen=gen), randn(k, gen=gen)
-    ref = sparse_input_gemv_ref(W_t.double(), x.double(), threshold=threshold)
-    for fn in (kernels.sparse_input_gemv, cpu.sparse_input_gemv):
+    ref = scatter_gemv_ref(W_t.double(), x.double(), threshold=threshold)
+    for fn in (kernels.scatter_gemv, cpu.scatter_gemv):
         out = fn(W_t, x, threshold=threshold)
         assert out.shape == (n,)
         assert (out.double() - ref).abs().max().item() <= RTOL * max(ref.abs().max().item(), 1.0)
@@ -324,8 +324,8 @@ def test_cpu_fallback_without_compiler(monkeypatch):
     assert rel_err(cpu.gather_gemv(W, x, idx), ref) <= RTOL
     assert rel_err(cpu.gather_rows_dot(W, x, idx)[0], ref) <= RTOL
     W_t, idx = randn(30, 40, gen=gen), torch.tensor([4, 1, 29])
-    ref = sparse_input_gemv_ref(W_t.double(), x.double(), idx=idx)
-    assert rel_err(cpu.sparse_input_gemv(W_t, x, idx=idx), ref) <= RTOL
+    ref = scatter_gemv_ref(W_t.double(), x.double(), idx=idx)
+    assert rel_err(cpu.scatter_gemv(W_t, x, idx=idx), ref) <= RTOL
     assert rel_err(cpu.scatter_rows_sum(W_t, x[idx], idx)[0], ref) <= RTOL
     assert rel_err(cpu.dense_gemv(W_t, x), x.double() @ W_t.double()) <= RTOL
     assert cpu.fast_path_threads() == 0
@@ -361,13 +361,13 @@ def test_bad_shapes_and_indices_raise(mod):
     with pytest.raises(ValueError, match="2-D weight"):
         mod.gather_gemv(torch.randn(10), x, torch.tensor([0]))
     with pytest.raises(ValueError, match="exactly one of threshold"):
-        mod.sparse_input_gemv(torch.randn(8, 5), x)
+        mod.scatter_gemv(torch.randn(8, 5), x)
     with pytest.raises(ValueError, match="exactly one of threshold"):
-        mod.sparse_input_gemv(torch.randn(8, 5), x, threshold=0.1, idx=torch.tensor([0]))
+        mod.scatter_gemv(torch.randn(8, 5), x, threshold=0.1, idx=torch.tensor([0]))
     with pytest.raises(ValueError, match="threshold must be a number >= 0"):
-        mod.sparse_input_gemv(torch.randn(8, 5), x, threshold=-1.0)
+        mod.scatter_gemv(torch.randn(8, 5), x, threshold=-1.0)
     with pytest.raises(ValueError, match="W_t is W transposed"):
-        mod.sparse_input_gemv(torch.randn(5, 8), x, threshold=0.1)
+        mod.scatter_gemv(torch.randn(5, 8), x, threshold=0.1)
     Wg = torch.randn(6, 8)
     with pytest.raises(ValueError, match="Unknown activation"):
         mod.sparse_ffn(x, Wg, Wg, Wg, torch.tensor([0]), "tanh")
@@ -408,12 +408,12 @@ def test_split_k_partial_sums_add_up_to_the_reference(monkeypatch, mode):
     if mode == "idx":
         idx = torch.randperm(100, generator=gen)[:70]
         out, ref = (
-            kernels.sparse_input_gemv(W_t, x, idx=idx),
-            sparse_input_gemv_ref(W_t, x, idx=idx),
+            kernels.scatter_gemv(W_t, x, idx=idx),
+            scatter_gemv_ref(W_t, x, idx=idx),
         )
     else:
-        out = kernels.sparse_input_gemv(W_t, x, threshold=0.5)
-        ref = sparse_input_gemv_ref(W_t, x, threshold=0.5)
+        out = kernels.scatter_gemv(W_t, x, threshold=0.5)
+        ref = scatter_gemv_ref(W_t, x, threshold=0.5)
     assert rel_err(out, ref) < RTOL
 
 
@@ -464,9 +464,9 @@ def test_int8_sparse_input_gemv_matches_the_dequantized_float64_reference(mode, 
     q_t, scale, w_t = int8_down(K, N, gen)
     x = batch_of(batch, K, gen)
     kw = {"threshold": 0.8} if mode == "threshold" else {"idx": make_idx(K, mode, gen)}
-    out = cpu_int8.sparse_input_gemv_i8(q_t, scale, x, **kw)
+    out = cpu_int8.scatter_gemv_i8(q_t, scale, x, **kw)
     assert out.shape == (*x.shape[:-1], N)
-    ref = sparse_input_gemv_ref(w_t, x.double(), **kw)
+    ref = scatter_gemv_ref(w_t, x.double(), **kw)
     if mode == "empty":
         assert torch.equal(out, torch.zeros_like(out))
     else:
@@ -538,7 +538,7 @@ def test_int8_kernels_fall_back_to_torch_without_a_compiler(monkeypatch):
     assert not cpu_int8.int8_fast_path_available()
     assert rel_err(cpu_int8.gather_gemv_i8(qg, sg, x, idx), x.double() @ wg[idx].T) <= RTOL
     h = randn(2, 40, gen=gen)
-    out = cpu_int8.sparse_input_gemv_i8(qd_t, sd, h, idx=idx)
+    out = cpu_int8.scatter_gemv_i8(qd_t, sd, h, idx=idx)
     assert rel_err(out, h[:, idx].double() @ wd_t[idx]) <= RTOL
     ffn = cpu_int8.sparse_ffn_i8(x[0], qg, sg, qu, su, qd_t, sd, idx, "gelu")
     assert rel_err(ffn, sparse_ffn_ref(x[0].double(), wg, wu, wd_t, idx, "gelu")) <= RTOL
@@ -558,9 +558,9 @@ def test_int8_kernels_refuse_bad_codes_scales_and_indices():
     with pytest.raises(ValueError, match=r"x must have shape \[8\]"):
         cpu_int8.gather_gemv_i8(q, s, torch.randn(9), torch.tensor([0]))
     with pytest.raises(ValueError, match="one per output column"):
-        cpu_int8.sparse_input_gemv_i8(q, s, torch.randn(10), idx=torch.tensor([0]))
+        cpu_int8.scatter_gemv_i8(q, s, torch.randn(10), idx=torch.tensor([0]))
     with pytest.raises(ValueError, match="exactly one of threshold"):
-        cpu_int8.sparse_input_gemv_i8(q, torch.ones(8), torch.randn(10))
+        cpu_int8.scatter_gemv_i8(q, torch.ones(8), torch.randn(10))
     with pytest.raises(ValueError, match="Unknown activation"):
         cpu_int8.sparse_ffn_i8(x, q, s, q, s, q, torch.ones(8), torch.tensor([0]), "tanh")
     with pytest.raises(ValueError, match=r"must all be \[ffn, dim\]"):

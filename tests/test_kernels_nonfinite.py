@@ -31,9 +31,9 @@ GATHER = {
     "triton_naive": kernels.gather_gemv_naive,
 }
 INPUT = {
-    "reference": reference.sparse_input_gemv_ref,
-    "cpu": cpu.sparse_input_gemv,
-    "triton": kernels.sparse_input_gemv,
+    "reference": reference.scatter_gemv_ref,
+    "cpu": cpu.scatter_gemv,
+    "triton": kernels.scatter_gemv,
 }
 FFN = {
     "reference": reference.sparse_ffn_ref,

@@ -95,7 +95,7 @@ def kernel_backend(device: torch.device) -> dict[str, Callable]:
         from ..kernels import cpu as backend
     return {
         "gather_gemv": backend.gather_gemv,
-        "sparse_input_gemv": backend.sparse_input_gemv,
+        "scatter_gemv": backend.scatter_gemv,
         "sparse_ffn": backend.sparse_ffn,
     }
 
@@ -183,7 +183,7 @@ def bench_shape(
             ),
             "down": (
                 lambda w=ws["down"]: F.linear(h, next(w).W_down),
-                lambda w=ws["down+"], sets=sets: ops["sparse_input_gemv"](
+                lambda w=ws["down+"], sets=sets: ops["scatter_gemv"](
                     next(w).W_down_t, h, idx=next(sets)
                 ),
                 1,

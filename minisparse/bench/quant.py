@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from ..core.model import Transformer, check_count, use_output_major_weights
-from ..measure.machine import machine
-from ..measure.timing import interleaved_medians, read_bandwidth, roofline_seconds
+from ..measure.machine import machine, machine_bandwidth
+from ..measure.timing import interleaved_medians, roofline_seconds
 from ..quant.apply import QuantSpec, quantize_model, streamed_bytes
 from ..quant.formats import WEIGHT_FORMATS
 from .decode import bench_decode_models
@@ -197,7 +197,7 @@ def bench_quant(
         variants, tokenizer, prompt, max_new_tokens, repeats, warmup, progress, compiled=False
     )
     linear = linear_times(variants, repeats=linear_repeats)
-    bandwidth = read_bandwidth()
+    bandwidth = machine_bandwidth()  # measured once per machine, as every chapter prints it
     base_bytes = streamed_bytes(model)
     rows = []
     for name, variant in variants.items():

@@ -243,8 +243,8 @@ EXERCISES: dict[str, Exercise] = dict(
             "boolean mask would sort the rows and merge repeats",
         ),
         _exercise(
-            "sparse_input_gemv", "07",
-            "sparse_input_gemv(W_t [K, N], x [K] or [B, K], threshold) -> [N] or [B, N]: "
+            "scatter_gemv", "07",
+            "scatter_gemv(W_t [K, N], x [K] or [B, K], threshold) -> [N] or [B, N]: "
             "the sum over the channels with |x_k| > threshold of x_k W_t[k], per row",
             loose,
             "select the rows of W_t of the active channels and leave the others out of the "

@@ -103,7 +103,7 @@ def _gather_gemv(W: Tensor, x: Tensor, idx: Tensor) -> Tensor:
     return gather_gemv_ref(W, x, idx)
 
 
-def _sparse_input_cases(gen: torch.Generator) -> Cases:
+def _scatter_cases(gen: torch.Generator) -> Cases:
     out: Cases = []
     settings = ((1, 1, None, 0.0), (9, 5, None, 0.5), (40, 17, 3, 1.0), (16, 8, 2, 0.0))
     for k, n, batch, threshold in (*settings, (12, 6, None, 10.0)):  # 10: nothing is active
@@ -118,10 +118,10 @@ def _sparse_input_cases(gen: torch.Generator) -> Cases:
     return out
 
 
-def _sparse_input_gemv(W_t: Tensor, x: Tensor, threshold: float) -> Tensor:
-    from ..kernels.reference import sparse_input_gemv_ref
+def _scatter_gemv(W_t: Tensor, x: Tensor, threshold: float) -> Tensor:
+    from ..kernels.reference import scatter_gemv_ref
 
-    return sparse_input_gemv_ref(W_t, x, threshold=threshold)
+    return scatter_gemv_ref(W_t, x, threshold=threshold)
 
 
 def _ffn_cases(gen: torch.Generator) -> Cases:
@@ -315,7 +315,7 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[torch.Generator], Cases]]] 
     "recall_precision": (_recall_precision, _confusion_cases),
     "recall_cutoff": (_recall_cutoff, _cutoff_cases),
     "gather_gemv": (_gather_gemv, _gather_cases),
-    "sparse_input_gemv": (_sparse_input_gemv, _sparse_input_cases),
+    "scatter_gemv": (_scatter_gemv, _scatter_cases),
     "sparse_ffn": (_sparse_ffn, _ffn_cases),
     "fast_load": (_fast_load, _load_cases),
     "top_overlap": (_top_overlap, _overlap_cases),

@@ -241,7 +241,7 @@ def build(
     thresholds = None
     if method is not None:
         model = method.model(base, calibration, config.share)
-        parts.append(f"{method.name}: {method.summary} (ch. {method.chapter})")
+        parts.append(f"{method.name} (ch. {method.chapter})")
     neurons = method is not None and method.neurons
     select = load_selector(model, config.predictors)  # predictors are made for float weights
     if config.weights != "fp32" and neurons:

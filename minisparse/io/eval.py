@@ -8,6 +8,11 @@ its window:
 
 Windows do not overlap, so every window starts without context; this is the usual, slightly
 pessimistic, protocol. Compare perplexities only at the same ``seq_len`` and text.
+
+A perplexity over a few thousand tokens is known only so well: ``perplexity_interval`` adds a
+bootstrap interval over the windows (resample the windows with replacement, take the
+perplexity of each resample, keep the central 95 %), so two models are told apart only when
+their intervals do not overlap (``minisparse.measure.compare.verdict``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-__all__ = ["mean_nll", "perplexity", "windows"]
+from ..measure.compare import Interval
+
+__all__ = [
+    "bootstrap_perplexity",
+    "mean_nll",
+    "perplexity",
+    "perplexity_interval",
+    "window_nlls",
+    "windows",
+]
 
 
 def windows(token_ids: Tensor, seq_len: int) -> Tensor:
@@ -36,6 +50,28 @@ def windows(token_ids: Tensor, seq_len: int) -> Tensor:
 
 
 @torch.inference_mode()
+def window_nlls(
+    model: torch.nn.Module,
+    token_ids: Tensor,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> Tensor:
+    """Per window of ``seq_len`` tokens, its mean next-token NLL (nats): float64 [windows]."""
+    batches = windows(token_ids, seq_len)
+    device = next(model.parameters()).device
+    out = []
+    for chunk in tqdm(
+        batches.split(batch_size), desc="perplexity", disable=not progress, leave=False
+    ):
+        chunk = chunk.to(device)
+        logits = model(chunk)[:, :-1].float()
+        targets = chunk[:, 1:]
+        loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        out.append(loss.double().mean(1).cpu())
+    return torch.cat(out)
+
+
 def mean_nll(
     model: torch.nn.Module,
     token_ids: Tensor,
@@ -44,20 +80,7 @@ def mean_nll(
     progress: bool = True,
 ) -> float:
     """Mean next-token negative log-likelihood (nats) over windows of ``seq_len`` tokens."""
-    batches = windows(token_ids, seq_len)
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    chunks = batches.split(batch_size)
-    for chunk in tqdm(chunks, desc="perplexity", disable=not progress, leave=False):
-        chunk = chunk.to(device)
-        logits = model(chunk)[:, :-1].float()
-        targets = chunk[:, 1:]
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-        )
-        total += loss.item()
-        count += targets.numel()
-    return total / count
+    return float(window_nlls(model, token_ids, seq_len, batch_size, progress).mean())
 
 
 def perplexity(
@@ -69,3 +92,28 @@ def perplexity(
 ) -> float:
     """exp(mean NLL) of ``model`` on ``token_ids`` (1-D ids or [n, seq_len] windows)."""
     return math.exp(mean_nll(model, token_ids, seq_len, batch_size, progress))
+
+
+def perplexity_interval(
+    model: torch.nn.Module,
+    token_ids: Tensor,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    rounds: int = 2000,
+    seed: int = 0,
+    progress: bool = True,
+) -> Interval:
+    """The perplexity with a 95 % bootstrap interval over the windows it was measured on."""
+    nll = window_nlls(model, token_ids, seq_len, batch_size, progress)
+    return bootstrap_perplexity(nll, rounds, seed)
+
+
+def bootstrap_perplexity(nll: Tensor, rounds: int = 2000, seed: int = 0) -> Interval:
+    """exp(mean) of per-window NLLs within the 2.5 % and 97.5 % quantiles of exp(mean) over
+    ``rounds`` resamples of the windows (with replacement, seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(nll), (rounds, len(nll)), generator=gen)
+    means = nll.double()[picks].mean(1)
+    low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64))
+    mid = float(nll.double().mean())
+    return Interval(math.exp(mid), math.exp(min(float(low), mid)), math.exp(max(float(high), mid)))

@@ -1,7 +1,7 @@
 """Triton sparse kernels and their torch references (installed as ``minisparse.kernels``).
 
 * ``gather_gemv(W, x, idx)``: row-sparse GEMV, only the rows idx of W (gate, up).
-* ``sparse_input_gemv(W_t, x, threshold=None, idx=None)``: column-sparse GEMV on W stored
+* ``scatter_gemv(W_t, x, threshold=None, idx=None)``: column-sparse GEMV on W stored
   transposed, active inputs from an in-kernel threshold (TEAL) or an index list (down).
 * ``sparse_ffn(x, W_gate, W_up, W_down_t, idx, act)``: the fused sparse gated FFN.
 
@@ -27,7 +27,7 @@ from typing import Any
 from torch import Tensor
 
 from .interpreter import interpreting, triton_available
-from .reference import gather_gemv_ref, sparse_ffn_ref, sparse_input_gemv_ref
+from .reference import gather_gemv_ref, scatter_gemv_ref, sparse_ffn_ref
 
 TRITON_MODULES = ("row_sparse", "column_sparse", "fused_ffn")
 
@@ -52,11 +52,11 @@ def gather_gemv_naive(W: Tensor, x: Tensor, idx: Tensor) -> Tensor:
     return triton_module("row_sparse").gather_gemv_naive(W, x, idx)
 
 
-def sparse_input_gemv(
+def scatter_gemv(
     W_t: Tensor, x: Tensor, threshold: float | None = None, idx: Tensor | None = None
 ) -> Tensor:
-    """Column-sparse GEMV in Triton, y = (x * mask) @ W_t (``column_sparse.sparse_input_gemv``)."""
-    return triton_module("column_sparse").sparse_input_gemv(W_t, x, threshold=threshold, idx=idx)
+    """Column-sparse GEMV in Triton, y = (x * mask) @ W_t (``column_sparse.scatter_gemv``)."""
+    return triton_module("column_sparse").scatter_gemv(W_t, x, threshold=threshold, idx=idx)
 
 
 def sparse_ffn(
@@ -91,9 +91,9 @@ __all__ = [
     "gather_gemv_naive",
     "gather_gemv_ref",
     "interpreting",
+    "scatter_gemv",
+    "scatter_gemv_ref",
     "sparse_ffn",
     "sparse_ffn_ref",
     "sparse_ffn_unfused",
-    "sparse_input_gemv",
-    "sparse_input_gemv_ref",
 ]

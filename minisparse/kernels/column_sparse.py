@@ -41,9 +41,9 @@ import triton.language as tl
 from torch import Tensor
 
 from .interpreter import check_launchable, launch
-from .validate import check_sparse_input
+from .validate import check_scatter
 
-__all__ = ["BLOCK_K", "BLOCK_N", "PROGRAMS_PER_SM", "sparse_input_gemv", "split_count"]
+__all__ = ["BLOCK_K", "BLOCK_N", "PROGRAMS_PER_SM", "scatter_gemv", "split_count"]
 
 # Tuned on an H200 (fp16 CUDA graph replays, 4096x11008 and 8192x28672 at s = 0, 0.5, 0.9):
 # the split-K target mattered most (down at s = 0 went from 6.2x to 1.06x the dense time).
@@ -137,7 +137,7 @@ def _index_kernel(
     tl.store(partial + s * stride_ps + b * stride_pb + ns, tl.sum(acc, axis=0), mask=nmask)
 
 
-def sparse_input_gemv(
+def scatter_gemv(
     W_t: Tensor, x: Tensor, threshold: float | None = None, idx: Tensor | None = None
 ) -> Tensor:
     """Column-sparse GEMV: y = (x * mask) @ W_t, reading only the active rows of W_t.
@@ -151,7 +151,7 @@ def sparse_input_gemv(
     inactive (``|NaN| > t`` is false), as in the reference.
     Returns [N] or [B, N] in x's dtype.
     """
-    check_sparse_input(W_t, x, threshold, idx)
+    check_scatter(W_t, x, threshold, idx)
     check_launchable(W_t, x)
     W_t = W_t.contiguous()
     x2 = (x.reshape(1, -1) if x.dim() == 1 else x).contiguous()

@@ -1,7 +1,7 @@
 """The CPU fast path: sparse GEMVs that run at the memory-bandwidth limit on a CPU.
 
 Same three functions, same signatures and results as the Triton kernels (``gather_gemv``,
-``sparse_input_gemv``, ``sparse_ffn``). At batch 1 a GEMV streams its weights once, so a
+``scatter_gemv``, ``sparse_ffn``). At batch 1 a GEMV streams its weights once, so a
 kernel that skips a fraction s of them can at best take (1 - s) of the dense time. Getting
 there on a CPU takes three things, each one measured in the chapter's benchmark:
 
@@ -63,7 +63,7 @@ from .validate import (
     check_indices,
     check_matrix,
     check_same_device,
-    check_sparse_input,
+    check_scatter,
     check_tensor,
     check_threshold,
     check_vector,
@@ -277,14 +277,14 @@ def active_inputs(
     return idx, torch.where(keep, xb, torch.zeros_like(xb))[:, idx]
 
 
-def sparse_input_gemv(
+def scatter_gemv(
     W_t: Tensor, x: Tensor, threshold: float | None = None, idx: Tensor | None = None
 ) -> Tensor:
     """Column-sparse GEMV on the CPU: y = (x * mask) @ W_t, reading only the active rows of W_t.
 
     W_t [K, N] (W transposed, contiguous), x [K] or [B, K]; exactly one of threshold / idx.
     """
-    check_sparse_input(W_t, x, threshold, idx)
+    check_scatter(W_t, x, threshold, idx)
     active, values = active_inputs(x, threshold, idx)
     if _use_fast(W_t, x):
         y = _scatter(W_t, values, active, True)
@@ -336,7 +336,7 @@ __all__ = [
     "load_library",
     "load_source_library",
     "resolve_compiler",
+    "scatter_gemv",
     "scatter_rows_sum",
     "sparse_ffn",
-    "sparse_input_gemv",
 ]

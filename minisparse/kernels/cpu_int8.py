@@ -60,9 +60,9 @@ __all__ = [
     "gather_rows_dot_i8",
     "int8_fast_path_available",
     "int8_library",
+    "scatter_gemv_i8",
     "scatter_rows_sum_i8",
     "sparse_ffn_i8",
-    "sparse_input_gemv_i8",
 ]
 
 LOOP_MAX_BATCH = 64  # more tokens than this: dequantized rows and a matrix product
@@ -228,11 +228,11 @@ def scatter_rows_sum_i8(
 
     q_t [K, N] int8 codes (W transposed), scale [N] (one per output column), v [n] or [B, n]
     float32 (one value per entry of idx), idx [n] rows in [0, K); returns [B, N] float32.
-    Needs the compiled library; ``sparse_input_gemv_i8`` works everywhere.
+    Needs the compiled library; ``scatter_gemv_i8`` works everywhere.
     """
     _check_columns(q_t, scale, v, idx)
     check_float32_cpu(v=v)
-    _require_loop(q_t, "scatter_rows_sum_i8", "sparse_input_gemv_i8")
+    _require_loop(q_t, "scatter_rows_sum_i8", "scatter_gemv_i8")
     return _scatter(q_t, scale, v, idx, prefetch)
 
 
@@ -249,7 +249,7 @@ def gather_gemv_i8(q: Tensor, scale: Tensor, x: Tensor, idx: Tensor) -> Tensor:
     return (x.to(acc) @ w.T).to(x.dtype)
 
 
-def sparse_input_gemv_i8(
+def scatter_gemv_i8(
     q_t: Tensor,
     scale: Tensor,
     x: Tensor,

@@ -11,7 +11,7 @@ matrices are stored [ffn, dim] with neuron j's weights contiguous: gate and up a
 contiguous rows, one per matrix (PowerInfer bundles them the same way).
 
 * ``sparse_ffn_unfused``: gather_gemv for gate and up, the activation in torch, then
-  sparse_input_gemv for down. The intermediate h makes a round trip through memory and the
+  scatter_gemv for down. The intermediate h makes a round trip through memory and the
   work takes several launches; at batch 1 each launch costs microseconds, a visible share of a
   small layer.
 * ``sparse_ffn``: one kernel. Each program owns BLOCK_N active neurons: it computes their gate
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .column_sparse import sparse_input_gemv
+from .column_sparse import scatter_gemv
 from .interpreter import check_launchable, launch
 from .reference import ACTIVATIONS, apply_activation
 from .row_sparse import gather_gemv
@@ -115,7 +115,7 @@ def sparse_ffn_unfused(
     )
     h = torch.zeros(*x.shape[:-1], W_gate.shape[0], dtype=torch.float32, device=x.device)
     h[..., idx.long()] = h_active
-    return sparse_input_gemv(W_down_t, h, idx=idx).to(x.dtype)
+    return scatter_gemv(W_down_t, h, idx=idx).to(x.dtype)
 
 
 def sparse_ffn(

@@ -5,7 +5,7 @@ Three products cover a sparse gated FFN  y = W_down (act(W_gate x) * (W_up x)):
 * row-sparse GEMV (``gather_gemv``): only the rows ``idx`` of W are read,
       y_j = sum_k W[idx_j, k] x_k                        for j = 0 .. len(idx) - 1
   used for the gate and up projections, whose rows are the FFN's neurons;
-* column-sparse GEMV (``sparse_input_gemv``): only the input channels that are active are read,
+* column-sparse GEMV (``scatter_gemv``): only the input channels that are active are read,
       y_n = sum_{k in A} W_t[k, n] x_k,   A = {k : |x_k| > t}  or  A = idx
   used for the down projection (whose inputs are the neurons) and, with a threshold on the
   hidden state, for any projection (the TEAL design);
@@ -35,7 +35,7 @@ from .validate import (
     check_ffn,
     check_gather,
     check_indices,
-    check_sparse_input,
+    check_scatter,
     check_tensor,
     check_threshold,
 )
@@ -45,8 +45,8 @@ __all__ = [
     "apply_activation",
     "gather_gemv_ref",
     "input_mask",
+    "scatter_gemv_ref",
     "sparse_ffn_ref",
-    "sparse_input_gemv_ref",
 ]
 
 
@@ -90,7 +90,7 @@ def input_mask(x: Tensor, threshold: float | None = None, idx: Tensor | None = N
     return x.abs() > threshold
 
 
-def sparse_input_gemv_ref(
+def scatter_gemv_ref(
     W_t: Tensor, x: Tensor, threshold: float | None = None, idx: Tensor | None = None
 ) -> Tensor:
     """Column-sparse GEMV: (x * mask) @ W_t, W_t = W^T of shape [K, N]; returns [N] or [B, N].
@@ -100,7 +100,7 @@ def sparse_input_gemv_ref(
     |x| > threshold, x[b, A_b] @ W_t[A_b]: the other rows of W_t are not part of the sum at all
     (a NaN there does not reach y, as it would through 0 * NaN in a masked dense product).
     """
-    check_sparse_input(W_t, x, threshold, idx)
+    check_scatter(W_t, x, threshold, idx)
     acc = accumulation_dtype(x.dtype)
     if idx is not None:
         rows = idx.long()

@@ -37,7 +37,7 @@ __all__ = [
     "check_indices",
     "check_matrix",
     "check_same_device",
-    "check_sparse_input",
+    "check_scatter",
     "check_tensor",
     "check_threshold",
     "check_vector",
@@ -155,7 +155,7 @@ def check_gather(W: Tensor, x: Tensor, idx: Tensor) -> None:
     check_same_device(W, x, idx)
 
 
-def check_sparse_input(W_t: Tensor, x: Tensor, threshold: float | None, idx: Tensor | None) -> None:
+def check_scatter(W_t: Tensor, x: Tensor, threshold: float | None, idx: Tensor | None) -> None:
     check_matrix("W_t", W_t)
     check_vector(x, W_t.shape[0], f"W_t's {W_t.shape[0]} rows (W_t is W transposed, [in, out])")
     check_threshold(threshold, idx)

@@ -4,18 +4,27 @@ A speed measured on one machine says little about another: decoding at batch 1 s
 weights, so its time follows the memory bandwidth, which differs between machines (and drifts
 on a shared one). Every chapter prints ``machine().line()`` beside its timings, and every
 benchmark's JSON carries ``machine().as_dict()``.
+
+The read bandwidth is measured once per machine (``machine_bandwidth``: the median of five
+256 MiB reads) and kept in the cache under a key of the CPU, its flags, the torch thread count
+and the torch version, so every chapter run on one machine prints the same figure and draws
+the same roofline; ``machine_bandwidth(fresh=True)`` measures again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
+import statistics
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["Machine", "cpu_info", "cpu_name", "machine", "vector_isa"]
+__all__ = ["Machine", "cpu_info", "cpu_name", "machine", "machine_bandwidth", "vector_isa"]
 
 
 def cpu_info() -> str:
@@ -68,10 +77,44 @@ class Machine:
         return asdict(self)
 
 
-def machine(measure_bandwidth: bool = True) -> Machine:
-    """This machine; ``measure_bandwidth`` times a 256 MiB read (about a second)."""
-    from ..kernels.cpu_build import describe_build
+def _facts_path() -> Path:
+    from ..io.cache import cache_dir
+    from ..kernels.cpu_build import cpu_identity
+
+    key = "\0".join([cpu_identity(), str(torch.get_num_threads()), torch.__version__])
+    return cache_dir() / f"machine_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def machine_bandwidth(fresh: bool = False) -> float:
+    """This machine's read bandwidth in GB/s, measured once and then read from the cache.
+
+    The median of five ``read_bandwidth`` runs (a 256 MiB read each), rounded to 0.1 GB/s. A
+    missing or unreadable cache file is measured again; one that cannot be written leaves a
+    warning and the figure.
+    """
+    from ..io.cache import atomic_write_text
     from .timing import read_bandwidth
+
+    path = _facts_path()
+    if not fresh:
+        try:
+            value = json.loads(path.read_text())["read_gbs"]
+            if isinstance(value, (int, float)) and value > 0:
+                return float(value)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    value = round(statistics.median(read_bandwidth() for _ in range(5)), 1)
+    try:
+        atomic_write_text(path, json.dumps({"cpu": cpu_name(), "read_gbs": value}) + "\n")
+    except OSError as err:
+        warnings.warn(f"Could not keep the measured bandwidth in {path} ({err}).", stacklevel=2)
+    return value
+
+
+def machine(measure_bandwidth: bool = True) -> Machine:
+    """This machine; ``measure_bandwidth``: its read bandwidth (``machine_bandwidth``: measured
+    once per machine, about five seconds, then read from the cache)."""
+    from ..kernels.cpu_build import describe_build
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return Machine(
@@ -83,6 +126,6 @@ def machine(measure_bandwidth: bool = True) -> Machine:
         threads=torch.get_num_threads(),
         torch=torch.__version__,
         gpu=gpu,
-        read_gbs=round(read_bandwidth(), 1) if measure_bandwidth else None,
+        read_gbs=machine_bandwidth() if measure_bandwidth else None,
         kernels=describe_build(),
     )

@@ -47,8 +47,8 @@ __all__ = [
     "mlp_layer",
     "plain_f32",
     "ptr",
+    "scatters_inputs",
     "selector_of",
-    "skips_zeros",
     "slot_of",
     "to_mat",
 ]
@@ -157,7 +157,7 @@ lowers("linear", Linear)(_float32_linear)
 lowers("linear", nn.Linear)(_float32_linear)
 
 
-def skips_zeros(slot: Slot, *lins: nn.Module) -> bool:
+def scatters_inputs(slot: Slot, *lins: nn.Module) -> bool:
     """Read ``lins`` input-major: their input goes through a magnitude threshold (TEAL), which
     zeroes a share of the inputs, and their weights are float32."""
     return slot.threshold >= 0 and all(type(lin) in (Linear, nn.Linear) for lin in lins)
@@ -199,7 +199,7 @@ def attn_layer(
     ):
         return None
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-    views, out = mats(qkv, keep, skips_zeros(slot, *qkv)), to_mat(attn.o_proj, keep)
+    views, out = mats(qkv, keep, scatters_inputs(slot, *qkv)), to_mat(attn.o_proj, keep)
     if views is None or out is None:
         return None
     return AttnLayer(
@@ -237,8 +237,8 @@ def _dense_mlp(mlp: MLP, norm: RMSNorm, slot: Slot, keep: list[Tensor]) -> MlpLa
     if act is None or down_in is None:
         return None
     gate_up = (mlp.gate_proj, mlp.up_proj)
-    views = mats(gate_up, keep, skips_zeros(slot, *gate_up))
-    down = mats([mlp.down_proj], keep, skips_zeros(down_in, mlp.down_proj))
+    views = mats(gate_up, keep, scatters_inputs(slot, *gate_up))
+    down = mats([mlp.down_proj], keep, scatters_inputs(down_in, mlp.down_proj))
     if views is None or down is None:
         return None
     return MlpLayer(

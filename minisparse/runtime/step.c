@@ -75,7 +75,7 @@ static void gemv_rows(Mat W, const float* b, const float* x, float* y, int64_t N
    time in registers, into its own partial [B, sum N] in ``parts``; then the partials are
    added. Every thread finds its own non-zero inputs: no index list is shared. Ends with a
    barrier (the partials are reused by the next call). */
-static void gemm_cols(const float* Wt, int64_t S, int n_proj, const int64_t* N, float* const* Y,
+static void scatter_gemm(const float* Wt, int64_t S, int n_proj, const int64_t* N, float* const* Y,
                       const float* const* bias, const float* X, int64_t B, int64_t K,
                       float* parts) {
     int64_t total = 0;
@@ -120,11 +120,11 @@ static void gemm_cols(const float* Wt, int64_t S, int n_proj, const int64_t* N, 
 /* Y[b] = W X[b] (+ bias) for B tokens (X [B, K], Y [B, N]): each weight is read once for all B,
    so a few tokens cost about what one costs while the weights, not the arithmetic, are the
    limit (speculative decoding's verification pass). No barrier at the end. An input-major
-   matrix goes to gemm_cols (its partial sums in ``parts``; it ends with a barrier). */
+   matrix goes to scatter_gemm (its partial sums in ``parts``; it ends with a barrier). */
 static void gemm_rows(Mat W, const float* bias, const float* X, float* Y, int64_t B, int64_t N,
                       int64_t K, float* parts) {
     if (W.in_stride) {
-        gemm_cols((const float*)W.data, W.in_stride, 1, &N, &Y, &bias, X, B, K, parts);
+        scatter_gemm((const float*)W.data, W.in_stride, 1, &N, &Y, &bias, X, B, K, parts);
         return;
     }
     if (B == 1) {
@@ -198,7 +198,7 @@ int attn_step(const AttnLayer* L, float* x, int64_t B, int64_t pos, float* scrat
             const int64_t N[3] = {H * hd, G * hd, G * hd};
             float* const Y[3] = {q, k, v};
             const float* const bias[3] = {L->bq, L->bk, L->bv};
-            gemm_cols((const float*)L->wq.data, L->wq.in_stride, 3, N, Y, bias, n, B, D, parts);
+            scatter_gemm((const float*)L->wq.data, L->wq.in_stride, 3, N, Y, bias, n, B, D, parts);
         } else {
             gemm_rows(L->wq, L->bq, n, q, B, H * hd, D, parts);
             gemm_rows(L->wk, L->bk, n, k, B, G * hd, D, parts);
@@ -277,7 +277,7 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
             const int64_t N[2] = {F, F};
             float* const Y[2] = {gu, gu + B * F};
             const float* const bias[2] = {L->bg, L->bu};
-            gemm_cols((const float*)L->wg.data, L->wg.in_stride, 2, N, Y, bias, n, B, D, parts);
+            scatter_gemm((const float*)L->wg.data, L->wg.in_stride, 2, N, Y, bias, n, B, D, parts);
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++)
                 for (int64_t b = 0; b < B; b++) {

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.model import MLP
-from ..kernels.cpu_int8 import gather_gemv_i8, sparse_ffn_i8, sparse_input_gemv_i8
+from ..kernels.cpu_int8 import gather_gemv_i8, scatter_gemv_i8, sparse_ffn_i8
 from .masks import (
     MaskedMLP,
     Selector,
@@ -125,7 +125,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def kernel_ops(backend: str, device: torch.device) -> ModuleType:
-    """The module holding gather_gemv / sparse_input_gemv / sparse_ffn for a backend."""
+    """The module holding gather_gemv / scatter_gemv / sparse_ffn for a backend."""
     if resolve_backend(backend, device) == "cpu":
         from ..kernels import cpu
 
@@ -313,8 +313,8 @@ class SparseMLP(nn.Module):
     def _down(self, h: Tensor, idx: Tensor) -> Tensor:
         """The down projection of h [tokens, ffn], reading the rows idx of W_down_t."""
         if self.int8:
-            return sparse_input_gemv_i8(self.Q_down_t, self.s_down, h, idx=idx)
-        return self.ops.sparse_input_gemv(self.W_down_t, h, idx=idx)
+            return scatter_gemv_i8(self.Q_down_t, self.s_down, h, idx=idx)
+        return self.ops.scatter_gemv(self.W_down_t, h, idx=idx)
 
     def _forward_threshold(self, x: Tensor) -> Tensor:
         if self.int8:  # dense gate: it decides which neurons run

@@ -3,7 +3,7 @@
 import torch
 
 
-def sparse_input_gemv(W_t: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
+def scatter_gemv(W_t: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
     rows = x if x.dim() == 2 else x[None]  # one active set per row of a batch
     out = torch.zeros(rows.shape[0], W_t.shape[1], dtype=x.dtype)
     for b, row in enumerate(rows):

@@ -1,0 +1,86 @@
+"""The measurement protocol: one bandwidth per machine, intervals, and verdicts in words."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model
+from minisparse.io import eval as E
+from minisparse.measure import machine as M
+from minisparse.measure import timing
+from minisparse.measure.compare import SAME, Interval, spread, verdict
+
+
+def test_the_bandwidth_is_measured_once_per_machine_and_then_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINISPARSE_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(timing, "read_bandwidth", lambda: calls.append(1) or 40.0 + len(calls))
+    first = M.machine_bandwidth()
+    assert first == 43.0 and len(calls) == 5  # the median of five reads: 41..45
+    assert M.machine_bandwidth() == first and len(calls) == 5  # read from the cache
+    assert M.machine().read_gbs == first and len(calls) == 5  # every chapter prints the same
+    assert M.machine_bandwidth(fresh=True) == 48.0 and len(calls) == 10
+    M._facts_path().write_text("{damaged")  # a damaged file is measured again, not trusted
+    assert M.machine_bandwidth() == 53.0 and len(calls) == 15
+
+
+def test_a_cache_that_cannot_be_written_leaves_a_warning_and_the_figure(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("MINISPARSE_CACHE", str(blocked / "below"))  # a file where a folder goes
+    monkeypatch.setattr(timing, "read_bandwidth", lambda: 30.0)
+    with pytest.warns(UserWarning, match="Could not keep the measured bandwidth"):
+        assert M.machine_bandwidth() == 30.0
+
+
+def test_spread_and_verdict():
+    fast, slow = spread([2.0, 2.2, 2.1]), spread([1.0, 1.3, 1.1])
+    assert fast == Interval(2.1, 2.0, 2.2) and str(fast) == "2.10 (2.00-2.20)"
+    assert verdict(fast, slow) == "faster" and verdict(slow, fast) == "slower"
+    overlapping = spread([1.9, 2.05])
+    assert verdict(fast, overlapping) == SAME == verdict(overlapping, fast)
+    # perplexity: lower is better, with its own words
+    assert verdict(slow, fast, higher_is_better=False, words=("better", "worse")) == "better"
+    with pytest.raises(ValueError, match="at least one sample"):
+        spread([])
+    with pytest.raises(ValueError, match="low <= mid <= high"):
+        Interval(1.0, 2.0, 3.0)
+
+
+def test_window_nlls_match_the_cross_entropy_of_each_window():
+    model = tiny_model(seed=3, std=0.2)
+    ids = torch.randint(0, 97, (5 * 16,), generator=torch.Generator().manual_seed(1))
+    got = E.window_nlls(model, ids, seq_len=16, batch_size=2, progress=False)
+    with torch.no_grad():
+        want = [
+            F.cross_entropy(model(w[None])[0, :-1].double(), w[1:]).item() for w in ids.view(5, 16)
+        ]
+    assert got.dtype == torch.float64 and got.shape == (5,)
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-5)
+    assert E.perplexity(model, ids, 16, progress=False) == pytest.approx(math.exp(sum(want) / 5))
+
+
+def test_the_bootstrap_interval_against_a_loop():
+    nll = torch.tensor([2.0, 2.6, 1.7, 2.2, 2.9, 2.4], dtype=torch.float64)
+    got = E.bootstrap_perplexity(nll, rounds=500, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    picks = torch.randint(0, 6, (500, 6), generator=gen)
+    means = sorted(float(sum(nll[j] for j in row) / 6) for row in picks)
+    q = torch.quantile(
+        torch.tensor(means, dtype=torch.float64), torch.tensor([0.025, 0.975]).double()
+    )
+    assert got.mid == pytest.approx(math.exp(float(nll.mean())))
+    assert got.low == pytest.approx(math.exp(float(q[0]))) and got.high == pytest.approx(
+        math.exp(float(q[1]))
+    )
+    assert got.low < got.mid < got.high
+    # identical windows leave no uncertainty; more windows of the same spread narrow it
+    flat = E.bootstrap_perplexity(torch.full((8,), 2.0, dtype=torch.float64))
+    assert flat.low == flat.mid == flat.high == pytest.approx(math.exp(2.0))
+    wide = E.bootstrap_perplexity(nll, seed=1)
+    narrow = E.bootstrap_perplexity(nll.repeat(16), seed=1)
+    assert narrow.high - narrow.low < (wide.high - wide.low) / 2
