@@ -7,6 +7,15 @@ concept (``core``, ``io``, ``sparsity``, ``sparse``, ``quant``, ...). A finder o
 monkeypatching either name patches both). One old path is gone: ``minisparse.generate`` is the
 function ``generate`` (its module is ``minisparse.core.generate``), and an alias would replace
 the function with the module.
+
+Names renamed with the move (no alias): ``sparse_input_gemv`` (and ``_ref``, ``_i8``) is
+``scatter_gemv``; the sparse package's ``calibrate_thresholds`` is
+``minisparse.sparsity.cats_thresholds``; ``EngineConfig.cats_sparsity`` is ``share``;
+``engine.SPARSITY`` / ``WEIGHTS`` / ``DRAFTS`` are ``engine.choices()`` (read from the
+registries); ``quant.METHODS`` is ``quant.QUANT_METHODS``, whose methods own their options (an
+option of another method is refused, not ignored); the C structs and constants of
+``decode_layers`` are in ``minisparse.kernels.abi``, its library in ``minisparse.runtime.step``;
+``minisparse.kernels.cpu_loops`` is ``kernels/cpu.c`` (its declarations in ``cpu_build``).
 """
 
 from __future__ import annotations

@@ -156,6 +156,8 @@ def test_int4_weights_shrink_the_resident_bytes():
             "hot/cold split .* places float32 neurons",
         ),
         ({"weights": "int8", "draft": "int8"}, "is the model itself"),
+        ({"sparsity": "cats", "draft": "int8"}, "made from the target's dense MLPs"),
+        ({"sparsity": "teal", "draft": "sparse"}, "made from the target's plain MLPs"),
         ({"sparsity": "cats", "draft": "sparse"}, "is the model itself"),
         ({"gamma": True}, "gamma must be"),
         ({"sparsity": "cats", "sparse_kernels": "no"}, "sparse_kernels is True or False"),
@@ -257,6 +259,10 @@ def test_teal_is_an_engine_option_that_runs_the_thresholded_model():
         E.EngineConfig(sparsity="teal", offload_budget=0.5).check()
     int8 = E.build(m, TOK, E.EngineConfig(sparsity="teal", weights="int8"), calibration=CALIB)
     assert isinstance(int8.model.layers[0].attn.q_proj, Int8Linear)
+    # TEAL keeps dense MLP modules (thresholds inside), so an int8 draft can be made of it: lossless
+    config = E.EngineConfig(sparsity="teal", share=0.4, draft="int8", gamma=3)
+    spec = E.build(m, TOK, config, calibration=CALIB)
+    assert spec.generate(PROMPT, 10) == generate(reference, TOK, PROMPT, 10)
 
 
 def test_the_engine_and_the_benches_list_the_registries():

@@ -131,7 +131,7 @@ def test_gather_gemv(fn, kind, batch):
 @pytest.mark.parametrize("fn", ALL_INPUT, ids=lambda f: f.__module__)
 @pytest.mark.parametrize("mode", ["threshold", "empty", "full", "random", "clustered"])
 @pytest.mark.parametrize("batch", [None, 2])
-def test_sparse_input_gemv(fn, mode, batch):
+def test_scatter_gemv(fn, mode, batch):
     gen = seeded(fn.__module__, mode, batch)
     K, N = 149, 211
     W_t = randn(K, N, gen=gen)
@@ -242,7 +242,7 @@ def test_gather_gemv_shapes_property(n_rows, k, batch, density, seed):
     threshold=st.floats(0.0, 2.0),
     seed=st.integers(0, 2**16),
 )
-def test_sparse_input_gemv_shapes_property(k, n, threshold, seed):
+def test_scatter_gemv_shapes_property(k, n, threshold, seed):
     gen = torch.Generator().manual_seed(seed)
     W_t, x = randn(k, n, gen=gen), randn(k, gen=gen)
     ref = scatter_gemv_ref(W_t.double(), x.double(), threshold=threshold)
@@ -287,7 +287,7 @@ def test_cpu_prefetch_switch_does_not_change_results(fast_path):
     assert rel_err(a[0], gather_gemv_ref(W.double(), x.double(), idx)) <= RTOL
 
 
-def test_cpu_loops_follow_torch_threads(fast_path):
+def test_the_cpu_loops_follow_torch_threads(fast_path):
     """torch.set_num_threads (the CLI's --threads) sets the C loops' team, and the result does
     not depend on it beyond rounding."""
     gen = torch.Generator().manual_seed(6)
@@ -458,7 +458,7 @@ def test_int8_gather_gemv_matches_the_dequantized_float64_reference(kind, batch)
 
 @pytest.mark.parametrize("mode", ["threshold", "empty", "full", "random", "clustered"])
 @pytest.mark.parametrize("batch", [*INT8_BATCHES, PROMPT_BATCH])
-def test_int8_sparse_input_gemv_matches_the_dequantized_float64_reference(mode, batch):
+def test_int8_scatter_gemv_matches_the_dequantized_float64_reference(mode, batch):
     gen = seeded("int8-scatter", mode, batch)
     K, N = 149, 211
     q_t, scale, w_t = int8_down(K, N, gen)

@@ -122,7 +122,7 @@ def test_gather_nan_rows_are_where_dense_math_puts_them():
 
 @pytest.mark.parametrize(("backend", "mode"), modes(INPUT))
 @pytest.mark.parametrize("where", ["selected", "unselected"])
-def test_sparse_input_gemv_index_nonfinite(backend, mode, where, monkeypatch):
+def test_scatter_gemv_index_nonfinite(backend, mode, where, monkeypatch):
     use_mode(mode, monkeypatch)
     W_t, _ = inputs(5)  # [11, 13]: 11 input channels
     gen = torch.Generator().manual_seed(6)
@@ -139,7 +139,7 @@ def test_sparse_input_gemv_index_nonfinite(backend, mode, where, monkeypatch):
 
 @pytest.mark.parametrize(("backend", "mode"), modes(INPUT))
 @pytest.mark.parametrize("threshold", [0.5, INF])
-def test_sparse_input_gemv_threshold_nonfinite(backend, mode, threshold, monkeypatch):
+def test_scatter_gemv_threshold_nonfinite(backend, mode, threshold, monkeypatch):
     use_mode(mode, monkeypatch)
     W_t, _ = inputs(7)
     gen = torch.Generator().manual_seed(8)

@@ -84,3 +84,24 @@ def test_the_bootstrap_interval_against_a_loop():
     wide = E.bootstrap_perplexity(nll, seed=1)
     narrow = E.bootstrap_perplexity(nll.repeat(16), seed=1)
     assert narrow.high - narrow.low < (wide.high - wide.low) / 2
+
+
+def test_the_paired_ratio_tells_apart_what_separate_intervals_cannot():
+    """Two models on the same windows: the windows' difficulty varies far more than the models
+    differ, so their separate intervals overlap; the paired ratio sees the difference."""
+    gen = torch.Generator().manual_seed(0)
+    hard = torch.rand(12, generator=gen, dtype=torch.float64) * 2 + 1  # window difficulty
+    worse = hard + 0.05 + 0.01 * torch.randn(12, generator=gen, dtype=torch.float64)
+    a, b = E.bootstrap_perplexity(worse), E.bootstrap_perplexity(hard)
+    assert verdict(a, b, higher_is_better=False) == SAME
+    ratio = E.perplexity_ratio(worse, hard)
+    assert ratio.mid == pytest.approx(math.exp(float((worse - hard).mean())))
+    assert ratio.low > 1.0  # worse, measurably
+    assert (
+        verdict(ratio, Interval(1.0, 1.0, 1.0), higher_is_better=False, words=("better", "worse"))
+        == "worse"
+    )
+    same = E.perplexity_ratio(hard, hard)
+    assert same.low == same.mid == same.high == 1.0
+    with pytest.raises(ValueError, match="same windows"):
+        E.perplexity_ratio(hard, hard[:5])

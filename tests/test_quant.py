@@ -163,6 +163,8 @@ def test_unknown_option_is_named():
     # each method has its own settings: another method's option is named as such
     with pytest.raises(TypeError, match="alpha \\(an option of smoothquant\\)"):
         quantize_model(tiny_model(), method="gptq", bits=4, alpha=0.5)
+    with pytest.raises(TypeError, match="\\['alpha \\(an option of smoothquant\\)', 'grup'\\]"):
+        quantize_model(tiny_model(), method="gptq", bits=4, alpha=0.5, grup=1)
 
 
 def test_quantization_methods_come_from_one_registry():

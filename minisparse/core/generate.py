@@ -264,8 +264,7 @@ def generate(
     (``minisparse.kvcache``). Sampling without ``seed`` draws from torch's global generator
     (``torch.manual_seed`` makes it repeatable). With ``compiled`` (default) a float32 model on
     the CPU decodes through ``minisparse.runtime.decoder.Decoder`` (one compiled call per block
-    half,
-    same results); ``compiled=False`` runs every step as torch modules. Every argument is
+    half, same results); ``compiled=False`` runs every step as torch modules. Every argument is
     checked before any work.
     """
     check_sampling(temperature, top_k, top_p)

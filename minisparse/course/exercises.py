@@ -10,8 +10,8 @@ shapes (a new seed every call unless one is given), and prints either a pass or 
 mismatch: which input, what was expected, what came back, and a hint. It returns True or False,
 so a notebook cell can also ``assert`` it. ``EXERCISES`` holds what each exercise asks (its
 chapter, task, hint and how answers are compared); the inputs and the library functions they
-are checked against live in ``exercise_sets_early`` (chapters 00–05) and
-``exercise_sets_late`` (06–11). Worked solutions live in ``notebooks/solutions/``; the tests
+are checked against live in ``sets_early`` (chapters 00–05) and
+``sets_late`` (06–11). Worked solutions live in ``notebooks/solutions/``; the tests
 check that every solution passes and that a wrong answer fails.
 """
 

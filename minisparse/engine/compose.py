@@ -130,10 +130,18 @@ class EngineConfig:
                 f"with weights={self.weights!r}. Choose weights='fp32' or offload_budget=None."
             )
         kind = self.draft_kind
-        if kind is not None and kind.is_target(self.weights, self.method is not None):
+        if kind is not None and kind.is_target(self.weights, neurons):
             raise ValueError(
                 f"A {kind.name} draft of this model (sparsity={self.sparsity!r}, weights="
                 f"{self.weights!r}) is the model itself; pick another draft."
+            )
+        if kind is not None and (
+            (kind.mlps == "dense" and neurons) or (kind.mlps == "plain" and self.method is not None)
+        ):
+            raise ValueError(
+                f"A {kind.name} draft is made from the target's {kind.mlps} MLPs, which "
+                f"sparsity={self.sparsity!r} changes: choose another draft (prompt-lookup, "
+                "early-exit) or sparsity='none'."
             )
         if kind is not None and kind.weights is not None and self.weights not in kind.weights:
             raise ValueError(
@@ -200,6 +208,9 @@ def step_bytes(model: Transformer) -> float:
     module read over its one-token calls so far (``step_density``: the decode steps it ran);
     before any, the mean per-token share of its last call's mask (``last_keep``). A
     verification pass over several tokens reads the union of their neurons, more than this.
+    Projections whose inputs pass a magnitude threshold (TEAL) are counted in full: the rows
+    they skip depend on each token's zeros, which the model does not record
+    (``minisparse bench sparse-decode`` measures them).
     """
     from ..quant.apply import streamed_bytes
     from ..sparse.mlp import SparseMLP

@@ -31,6 +31,7 @@ __all__ = [
     "mean_nll",
     "perplexity",
     "perplexity_interval",
+    "perplexity_ratio",
     "window_nlls",
     "windows",
 ]
@@ -111,9 +112,24 @@ def perplexity_interval(
 def bootstrap_perplexity(nll: Tensor, rounds: int = 2000, seed: int = 0) -> Interval:
     """exp(mean) of per-window NLLs within the 2.5 % and 97.5 % quantiles of exp(mean) over
     ``rounds`` resamples of the windows (with replacement, seeded)."""
+    return _bootstrap_exp_mean(nll, rounds, seed)
+
+
+def perplexity_ratio(nll: Tensor, reference: Tensor, rounds: int = 2000, seed: int = 0) -> Interval:
+    """Perplexity of one model over another's on the same windows (per-window NLLs of each),
+    with a 95 % *paired* bootstrap interval: the windows are resampled together, so what both
+    models find hard cancels out, and a small change is told apart where the two separate
+    intervals would overlap."""
+    if nll.shape != reference.shape:
+        shapes = f"{tuple(nll.shape)} and {tuple(reference.shape)}"
+        raise ValueError(f"Compare NLLs of the same windows, got {shapes}.")
+    return _bootstrap_exp_mean(nll.double() - reference.double(), rounds, seed)
+
+
+def _bootstrap_exp_mean(values: Tensor, rounds: int, seed: int) -> Interval:
     gen = torch.Generator().manual_seed(seed)
-    picks = torch.randint(0, len(nll), (rounds, len(nll)), generator=gen)
-    means = nll.double()[picks].mean(1)
+    picks = torch.randint(0, len(values), (rounds, len(values)), generator=gen)
+    means = values.double()[picks].mean(1)
     low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64))
-    mid = float(nll.double().mean())
+    mid = float(values.double().mean())
     return Interval(math.exp(mid), math.exp(min(float(low), mid)), math.exp(max(float(high), mid)))

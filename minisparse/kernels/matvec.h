@@ -1,4 +1,4 @@
-/* Matrix rows times vectors, for the decode step (decode_step.c pastes this file in): the
+/* Matrix rows times vectors, for the decode step (runtime/step.c pastes this file in): the
    dot products of one weight row with one token's vector, with sixteen gathered rows, and with
    up to MAX_TOKENS token vectors at once, for each way a row can be stored. A weight is read
    once and turned into floats in registers; the arithmetic is float32 throughout. */

@@ -1,5 +1,5 @@
-/* Vector helpers shared by the package's C files (decode_step.c, sparse_int8.c, the loops of
-   cpu_loops.py). The source loaders paste this file in place of a C file's include line for
+/* Vector helpers shared by the package's C files (runtime/step.c, cpu_int8.c, the loops of
+   cpu.c). The source loaders paste this file in place of a C file's include line for
    it, so each library is still compiled from one self-contained text.
 
    v16 is 16 floats, the unit every loop steps by. With AVX-512 (and on targets without AVX2)

@@ -33,7 +33,7 @@ static int team(int64_t work, int num_threads) {
    once: y sees n / GROUP additions instead of n (a shorter rounding chain, fewer passes over
    y), and g streams are in flight at once. While it reads 64 elements of each row, it asks
    the memory system for the same bytes of next[0..ng), the next group, with LOCALITY (the
-   float32 loops use 0, non-temporal; the int8 loops 1, see sparse_int8.c). */
+   float32 loops use 0, non-temporal; the int8 loops 1, see cpu_int8.c). */
 #define AXPY_GROUP(NAME, T, LOAD16, LOCALITY)                                                  \
     static void NAME(float* y, const float* a, const T* const* rows, int g,                    \
                      const T* const* next, int ng, int64_t N) {                                \

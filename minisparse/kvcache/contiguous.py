@@ -13,12 +13,12 @@ Four ways to hold it, all made by ``make_kv_cache`` and all run by ``model(token
 * **static** (``minisparse.core.model.KVCache``): one preallocated [max_len] buffer per layer; no
   allocation while decoding, but a server that reserves max_len per request wastes whatever the
   request does not use;
-* **paged** (vLLM, Kwon et al., 2023; ``kvcache_paged``): a pool of fixed-size blocks, a block
+* **paged** (vLLM, Kwon et al., 2023; ``kvcache.paged``): a pool of fixed-size blocks, a block
   table per sequence, blocks allocated on demand and shared between sequences with a common
   prefix (copy-on-write). Waste is at most one partial block per sequence;
-* **sink** (StreamingLLM, Xiao et al., 2024; ``kvcache_eviction``): the first ``n_sink``
+* **sink** (StreamingLLM, Xiao et al., 2024; ``kvcache.eviction``): the first ``n_sink``
   tokens plus the last ``window``, a fixed memory whatever the length;
-* **h2o** (H2O, Zhang et al., 2023; ``kvcache_eviction``): per K/V head the ``recent`` newest
+* **h2o** (H2O, Zhang et al., 2023; ``kvcache.eviction``): per K/V head the ``recent`` newest
   tokens plus those with the most accumulated attention, up to ``budget``.
 
 ``token_nll`` measures what a bounded cache costs: the loss of every token of a long text fed

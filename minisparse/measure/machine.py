@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -99,7 +100,7 @@ def machine_bandwidth(fresh: bool = False) -> float:
     if not fresh:
         try:
             value = json.loads(path.read_text())["read_gbs"]
-            if isinstance(value, (int, float)) and value > 0:
+            if type(value) in (int, float) and 0 < value < math.inf:
                 return float(value)
         except (OSError, ValueError, KeyError, TypeError):
             pass

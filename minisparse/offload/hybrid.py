@@ -66,9 +66,9 @@ class HotColdMLP(nn.Module):
     """An MLP as two ``SparseMLP`` parts: ``hot`` neurons on ``fast_device``, the rest on the CPU.
 
     Give ``threshold`` (keep |act(gate x)| > threshold: the oracle) or ``select`` (a function of
-    the MLP input returning the active neuron indices, e.g. ``functools.partial(
-    predictors.select, layer)``). ``work`` counts, over all calls, the active neurons each part
-    computed (summed over tokens).
+    the MLP input returning the active neuron indices, e.g.
+    ``predictors.select.for_layer(layer)``, which the compiled step runs in C). ``work`` counts,
+    over all calls, the active neurons each part computed (summed over tokens).
     """
 
     def __init__(

@@ -22,6 +22,8 @@ __all__ = ["selector_fields"]
 def selector_fields(select: LayerSelect) -> tuple[Any, ...] | None:
     """(rank, U, b_U, V, b_V, hidden ReLU, cutoff) for the C step, or None."""
     predictor = select.predictor
+    if select.owner.lookahead:  # it reads the previous layer's input, which C does not keep
+        return None
     if type(predictor) is not Predictor or hooked(predictor, predictor.down, predictor.up):
         return None
     down, up = predictor.down, predictor.up

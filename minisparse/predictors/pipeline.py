@@ -1,8 +1,8 @@
 """Predictors end to end: train them for a model, run it on their predictions, count the cost.
 
 **Training** (``train_predictors``): record the layers' inputs and true sets on training
-windows and on held-out ones (``predictors_records``), then size one predictor per layer
-(``predictors_sizing``) and, if asked, add head predictors. ``fit_predictors`` does the same on
+windows and on held-out ones (``records``), then size one predictor per layer
+(``sizing``) and, if asked, add head predictors. ``fit_predictors`` does the same on
 already recorded layers, to try several configurations on one recording.
 
 **Using the predictions** (``predicted_masks_applied``): every MLP computes only the kept

@@ -37,8 +37,8 @@ x̂ stored in float32, the reference for quality) or, with ``packed=True``, real
 (``Int8Linear``, ``Int4Linear``; ``minisparse.quant.layers``) that keep only the codes and
 scales and call torch's CPU kernels ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``.
 
-**Layout.** The modules build on each other in one direction: ``quant_tensor`` (the codes and
-scales of one tensor) < ``quant_layers`` (linear layers on the codes) < ``quant_calibration``
+**Layout.** The modules build on each other in one direction: ``tensor`` (the codes and
+scales of one tensor) < ``layers`` (linear layers on the codes) < ``calibration``
 (settings, groups of layers, the layer-by-layer loop) < ``gptq`` and ``smoothing`` (the
 methods) < this module (a whole model). The names of the lower modules are importable from here
 too, so ``minisparse.quant`` is the one place to import quantization from.

@@ -124,10 +124,11 @@ class QuantConfig:
                 for m in QUANT_METHODS.values()
                 for name in (f.name for f in fields(m.options))
             }
-            owned = [f"{n} (an option of {others[n]})" for n in sorted(unknown) if n in others]
+            named = [
+                f"{n} (an option of {others[n]})" if n in others else n for n in sorted(unknown)
+            ]
             raise TypeError(
-                f"Unknown options for {method}: {owned or sorted(unknown)}; it takes "
-                f"{sorted(common | own)}."
+                f"Unknown options for {method}: {named}; it takes {sorted(common | own)}."
             )
         options = kind.options(**{k: v for k, v in settings.items() if k in own})
         return cls(method, options=options, **{k: v for k, v in settings.items() if k in common})

@@ -14,7 +14,7 @@ activations and fine-tunes briefly to recover the quality:
 ``relufy`` returns a new model (the input is untouched; weights are copied unchanged, only the
 activation modules differ): like every function without a trailing underscore, it never
 changes its argument. ``minisparse.relufy.finetune`` recovers quality by distillation from the
-dense model; ``finetune_relufied`` runs it and keeps the result in the cache, and
+dense model; ``relufy_and_finetune`` runs it and keeps the result in the cache, and
 ``load_relufied`` reads it back (what ``minisparse relufy --stage 1 --steps N`` produces).
 """
 
@@ -125,7 +125,7 @@ def read_relufied(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 def load_relufied(
     base: Transformer, stage: int = 1, trainable: str = "mlp", root: Path | None = None
 ) -> tuple[Transformer, dict[str, Any]]:
-    """The fine-tuned ReLU model saved by ``finetune_relufied`` (base weights from ``base``)."""
+    """The fine-tuned ReLU model saved by ``relufy_and_finetune`` (base weights from ``base``)."""
     path = result_dir(stage, trainable, root) / "model.safetensors"
     if not path.exists():
         raise FileNotFoundError(

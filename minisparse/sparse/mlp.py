@@ -28,7 +28,7 @@ The backend follows the weights: the Triton kernels on CUDA, the C fast path
 matrices are placed in huge pages.
 
 An MLP whose projections are chapter 09's ``Int8Linear`` (a model from
-``quantize_model(bits=8, packed=True)``, or ``sparse_mlp_weights.int8_mlp``) becomes a sparse int8
+``quantize_model(bits=8, packed=True)``, or ``sparse.weights.int8_mlp``) becomes a sparse int8
 MLP: the same paths over int8 codes with float32 scales (``minisparse.kernels.cpu_int8``), so
 that sparsity and quantization multiply, (1 - s) / 4 of the float32 bytes of the sparse
 matrices. Both layouts and their checkpoint names are in ``minisparse.sparse.weights``.

@@ -6,7 +6,7 @@ kernel that reads only the columns of the nonzero inputs skips a share s of both
 
     skipped FLOPs = 2 · out · in · s,      skipped bytes = out · in · bytes_per_weight · s.
 
-Each projection skips by the sparsity of its own input (``sparsity_stats``' sites): q/k/v by
+Each projection skips by the sparsity of its own input (``stats``' sites): q/k/v by
 ``attn_in``, gate by ``mlp_in``, down by ``down_in``, o by the heads whose output is zero. up
 can skip twice: the rows whose output is multiplied by a zero of act(W_gate x) (``mlp_act``)
 and the columns of zero inputs (``mlp_in``); treating the two as independent it keeps

@@ -20,7 +20,7 @@ From those summaries:
 
 * the fraction of zeros, or of |x| <= t, per layer: what a sparse kernel may skip;
 * the magnitude quantile t with P(|x| <= t) = q, read off the cumulative histogram and
-  interpolated in log10 inside its bin (what ``sparsity_thresholds`` calibrates with);
+  interpolated in log10 inside its bin (what ``thresholds`` calibrates with);
 * per-neuron activation frequency f_j = P(|x_j| > t); sorted, it follows a power law in the
   rank for ReLU models, and its Lorenz curve L(p) = share of all activations carried by the
   top p of the neurons shows how few "hot" neurons do most of the work (PowerInfer).

@@ -5,7 +5,7 @@ per site and layer l, the magnitude t_l with
 
     P(|x| <= t_l) = s,
 
-the s-quantile of |x| (read from ``sparsity_stats``' histograms), and at inference replace x by
+the s-quantile of |x| (read from ``stats``' histograms), and at inference replace x by
 
     x · 1[|x| > t_l],
 

@@ -2,7 +2,7 @@
 
 A draft proposes up to gamma tokens d_1..d_gamma after the context; the target then checks them
 all in one pass (``speculative.speculative_generate``). A draft is worth its cost when it agrees
-with the target often (acceptance α, see ``speculative_theory``) and costs little per step
+with the target often (acceptance α, see ``theory``) and costs little per step
 (cost ratio c = draft step / target step): the speedup is about
 (1 − α^(γ+1)) / ((1 − α)(γ c + 1)).
 

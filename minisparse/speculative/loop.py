@@ -23,11 +23,11 @@ target's law p_i. A deterministic draft is the special case q = a point mass on 
 This module holds the two verification rules and the decoding loop. The rest of the chapter,
 all importable from here:
 
-* ``speculative_sampling``: ``Sampling`` and the pieces of the accept/reject rule (residual,
+* ``sampling``: ``Sampling`` and the pieces of the accept/reject rule (residual,
   acceptance probability β = Σ min(p, q), and the proof that the emitted law is p);
-* ``speculative_drafts``: ``Draft`` and the drafts (``ModelDraft``, ``early_exit_draft``,
+* ``drafts``: ``Draft`` and the drafts (``ModelDraft``, ``early_exit_draft``,
   ``sparse_draft``, ``int8_draft``, ``prompt_lookup_draft``);
-* ``speculative_theory``: expected tokens per pass (1 − α^(γ+1)) / (1 − α), the speedup
+* ``theory``: expected tokens per pass (1 − α^(γ+1)) / (1 − α), the speedup
   E[tokens] / (γ c + v(γ)), ``best_gamma`` and ``teacher_forced_alpha``.
 
 References: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative

@@ -34,6 +34,9 @@ class DraftKind:
     options: dict[str, Any] = field(default_factory=dict)  # the options ``make`` takes
     calibrated: bool = False  # needs calibration token ids
     weights: tuple[str, ...] | None = None  # target weight formats it is made from (None: any)
+    # what it needs of the target's MLPs: "any"; "dense" (MLP modules, thresholds inside allowed:
+    # not the sparse MLPs a neuron-choosing method puts there); "plain" (untouched by any method)
+    mlps: str = "any"
     # (weights format, whether the target's MLPs are sparse) -> True when it is the target
     is_target: Callable[[str, bool], bool] = lambda weights, sparse: False
 
@@ -86,6 +89,7 @@ register_draft(
         "a quarter of the linear layers' bytes (int8 codes)",
         _int8,
         weights=("fp32",),
+        mlps="dense",
         is_target=lambda weights, sparse: weights == "int8",
     )
 )
@@ -97,6 +101,7 @@ register_draft(
         {"sparsity": 0.5},
         calibrated=True,
         weights=("fp32", "int8"),
+        mlps="plain",
         is_target=lambda weights, sparse: sparse,
     )
 )

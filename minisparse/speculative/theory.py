@@ -1,7 +1,7 @@
 """The theory of speculative decoding: tokens per target pass, speedup, the best gamma.
 
 Model the draft as accepted independently at each position with probability α (greedy: the
-draft's argmax equals the target's; sampling: β = Σ min(p, q), see ``speculative_sampling``).
+draft's argmax equals the target's; sampling: β = Σ min(p, q), see ``sampling``).
 A target pass over gamma drafts emits the accepted prefix plus one token of the target's own.
 The prefix has length j < γ with probability α^j (1 − α) and length γ with probability α^γ, so
 
