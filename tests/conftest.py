@@ -34,6 +34,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if not keep:
         _SESSION_CACHE.append(path)
     os.environ["MINISPARSE_CACHE"] = path  # inherited by subprocesses and notebook kernels
+    # every notebook runs with the worked solutions plugged into its core builds: the learner's
+    # path, end to end (the saved notebooks show the unsolved path: the library's code runs)
+    os.environ["MINISPARSE_SOLUTIONS"] = str(
+        Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
+    )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

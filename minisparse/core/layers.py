@@ -182,23 +182,31 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if cache is not None:
             attend = getattr(cache, "attend", None)
             if attend is not None:  # caches that choose or weigh the keys (chapter 02)
                 out = attend(q, k, v, input_pos)
                 return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             k, v = cache.update(input_pos, k, v)
-        kv_len = k.shape[2]
+        out = self.attend(q, k, v, input_pos)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE on queries or keys [batch, heads, seq, head_dim]."""
+        return apply_rope(x, cos, sin)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        """Causal GQA: q [b, H, t, d] at ``input_pos`` against k, v [b, G, n, d] (positions
+        0 .. n - 1) -> [b, H, t, d]."""
+        t, kv_len = q.shape[2], k.shape[2]
         gqa = self.n_kv_heads != self.n_heads
         if t == 1:  # one new token sees every cached key: no mask needed
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-        elif kv_len == t:  # the keys are exactly these tokens (no cache, or a first chunk)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # a chunk appended after earlier tokens
-            mask = causal_mask(input_pos, kv_len)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        if kv_len == t:  # the keys are exactly these tokens (no cache, or a first chunk)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        mask = causal_mask(input_pos, kv_len)  # a chunk appended after earlier tokens
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):

@@ -17,69 +17,28 @@ check that every solution passes and that a wrong answer fails.
 
 from __future__ import annotations
 
-import math
-import operator
-import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..core.checks import check_count
-from .grading import TIME_LIMIT, describe, run_learner, short
+from .grading import (
+    EXERCISES,
+    TIME_LIMIT,
+    Exercise,
+    check,
+    close,
+    equal,
+    exact,
+    loose,
+    near,
+    register,
+)
 from .sets_early import CASES as EARLY
 from .sets_late import CASES as LATE
 
 __all__ = ["EXERCISES", "TIME_LIMIT", "Exercise", "check"]
-
-
-@dataclass(frozen=True)
-class Exercise:
-    chapter: str
-    task: str  # what to write: the signature and its meaning
-    reference: Callable[..., Any]
-    cases: Callable[[torch.Generator], list[tuple[Any, ...]]]  # fresh inputs for one trial
-    same: Callable[[Any, Any], bool]
-    hint: str
-    #: (inputs, got, expected) -> right?, for exercises where more than one answer is right;
-    #: it replaces ``same`` when given
-    accepts: Callable[[tuple[Any, ...], Any, Any], bool] | None = None
-
-
-def close(a: Any, b: Any, tol: float = 1e-5) -> bool:
-    a, b = torch.as_tensor(a), torch.as_tensor(b)
-    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol))
-
-
-def loose(a: Any, b: Any) -> bool:
-    """``close`` for float32 sums whose order may differ (matrix products, softmax)."""
-    return close(a, b, 1e-4)
-
-
-def equal(a: Any, b: Any) -> bool:
-    a, b = torch.as_tensor(a), torch.as_tensor(b)
-    return a.shape == b.shape and bool((a == b).all())
-
-
-def exact(a: Any, b: Any) -> bool:
-    """Whole numbers, equal: a count of bytes is an int, not 0.9 of one or the string "42"."""
-    if isinstance(a, bool) or isinstance(a, str):
-        return False
-    try:
-        return operator.index(a) == operator.index(b)
-    except TypeError:
-        return isinstance(a, float) and a.is_integer() and int(a) == operator.index(b)
-
-
-def near(a: Any, b: Any) -> bool:
-    """Numbers (or tuples of numbers) equal to 1e-9 relative."""
-    a, b = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (a, b))
-    return len(a) == len(b) and all(
-        math.isclose(float(x), float(y), rel_tol=1e-9, abs_tol=1e-12)
-        for x, y in zip(a, b, strict=True)
-    )
 
 
 def _share_at_most(x: Tensor, t: float) -> float:
@@ -110,8 +69,7 @@ def _exercise(
     return name, Exercise(chapter, task, reference, cases, same, hint, accepts)
 
 
-EXERCISES: dict[str, Exercise] = dict(
-    [
+_SMALL: list[tuple[str, Exercise]] = [
         _exercise(
             "rms_norm", "00",
             "rms_norm(x [..., d], weight [d], eps) -> x / sqrt(mean(x^2) + eps) * weight, the "
@@ -138,11 +96,13 @@ EXERCISES: dict[str, Exercise] = dict(
         ),
         _exercise(
             "gqa_attention", "01",
-            "gqa_attention(q [b, H, t, d], k [b, G, t, d], v [b, G, t, d]) -> [b, H, t, d]: "
-            "causal softmax(q k^T / sqrt(d)) v, query head h reading K/V head h // (H / G)",
+            "gqa_attention(q [b, H, t, d], k [b, G, n, d], v [b, G, n, d]) -> [b, H, t, d]: "
+            "causal softmax(q k^T / sqrt(d)) v, query head h reading K/V head h // (H / G); the "
+            "t queries are the last t of the n tokens (query i at position n - t + i)",
             loose,
             "repeat each K/V head H/G times next to itself (repeat_interleave on dim 1; repeat "
-            "tiles them instead), scale by 1/sqrt(d), hide future keys (j > i) with -inf",
+            "tiles them instead), scale by 1/sqrt(d), hide future keys (key j > n - t + i) with "
+            "-inf: with a cache (t < n) the mask is offset, not the square triu of a prompt",
         ),
         _exercise(
             "kv_bytes", "02",
@@ -328,32 +288,9 @@ EXERCISES: dict[str, Exercise] = dict(
             "numel * element_size of every parameter AND buffer (int8 codes, scales, "
             "non-persistent ones), and a tied weight (embedding = LM head) once",
         ),
-    ]
-)  # fmt: skip
+]  # fmt: skip
 
+for _name, _exercise_ in _SMALL:
+    register(_name, _exercise_)
 
-def check(name: str, fn: Callable[..., Any], trials: int = 3, seed: int | None = None) -> bool:
-    """Compare ``fn`` with the library's version of exercise ``name``; print the verdict.
-
-    ``fn`` runs on copies of fresh random inputs, at most ``TIME_LIMIT`` seconds a call; an
-    error it raises, a ``None`` it returns (an unfinished stub) or an input it changes in place
-    fails the check with a message saying so.
-    """
-    if name not in EXERCISES:
-        raise ValueError(f"Unknown exercise {name!r}; choose one of {', '.join(EXERCISES)}.")
-    check_count(trials, "trials", fix="each trial checks the function on fresh random inputs")
-    ex = EXERCISES[name]
-    gen = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
-    for _ in range(trials):
-        for args in ex.cases(gen):
-            expected = ex.reference(*args)
-            ran, got = run_learner(name, fn, args)
-            if not ran:
-                return False
-            ok = ex.accepts(args, got, expected) if ex.accepts else ex.same(got, expected)
-            if not ok:
-                print(f"{name}: mismatch on inputs {describe(args)}")
-                print(f"  expected {short(expected)}\n  got      {short(got)}\n  hint: {ex.hint}")
-                return False
-    print(f"{name}: correct on {trials} rounds of fresh random inputs (chapter {ex.chapter})")
-    return True
+from . import builds  # noqa: E402,F401  (the chapters' core builds register themselves)

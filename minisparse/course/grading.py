@@ -1,21 +1,51 @@
-"""Running the learner's function for ``minisparse.course.exercises.check``: on copies of the
-inputs, under a time limit, with what went wrong said in the learner's terms (an error it raised, a
-``None`` an unfinished stub returns, an input it changed in place, a call that never ends)."""
+"""Grading the learner's code: what an exercise is, the registry of all of them, and ``check``.
+
+An ``Exercise`` names the library's own version of a function (the reference), a generator of
+fresh random inputs with odd shapes and edge cases, how two answers are compared and a hint. A
+*core build* (``core=True``) is the heart of a chapter: once the learner's version passes,
+``minisparse.course.use`` plugs it into the rest of the chapter. Builds that are classes or
+loops give a ``run`` that drives the learner's code through one case (a script of operations)
+and returns what to compare, e.g. what every sequence of a paged cache reads back.
+
+The learner's code runs on copies of the inputs, under a time limit, with what went wrong said in
+the learner's terms (an error it raised, a ``None`` an unfinished stub returns, an input it
+changed in place, a call that never ends), never as a traceback through the library."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
+import operator
+import random
+import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["TIME_LIMIT", "describe", "run_learner", "short"]
+from ..core.checks import check_count
+
+__all__ = [
+    "EXERCISES",
+    "TIME_LIMIT",
+    "Exercise",
+    "check",
+    "close",
+    "describe",
+    "equal",
+    "exact",
+    "loose",
+    "near",
+    "register",
+    "run_learner",
+    "short",
+]
 
 TIME_LIMIT = 60.0  # seconds one call of the learner's function may take
 
@@ -70,6 +100,9 @@ def run_learner(name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tup
         print(f"{name}: your function did not return within {TIME_LIMIT:.0f} s on inputs "
               f"{describe(args)}; look for a loop that never ends.")  # fmt: skip
         return False, None
+    except NotImplementedError as err:
+        print(f"{name}: not written yet ({err or 'NotImplementedError'}).")
+        return False, None
     except Exception as err:  # the learner's code: any error is theirs to see, in one line
         print(f"{name}: your function raised {type(err).__name__}: {err} on inputs "
               f"{describe(args)}")  # fmt: skip
@@ -96,3 +129,113 @@ def short(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"tensor{tuple(value.shape)} {value.flatten()[:4].tolist()}..."
     return repr(value)[:120]
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    return fn(*args)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    chapter: str
+    task: str  # what to write: the signature and its meaning, starting with the function's name
+    reference: Callable[..., Any]
+    cases: Callable[[torch.Generator], list[tuple[Any, ...]]]  # fresh inputs for one trial
+    same: Callable[[Any, Any], bool]
+    hint: str
+    #: (inputs, got, expected) -> right?, for exercises where more than one answer is right;
+    #: it replaces ``same`` when given
+    accepts: Callable[[tuple[Any, ...], Any, Any], bool] | None = None
+    #: (implementation, inputs) -> what is compared; a plain call unless the build is a class
+    #: or a loop that a script of operations drives
+    run: Callable[[Callable[..., Any], tuple[Any, ...]], Any] = _call
+    #: the heart of a chapter, which ``use`` plugs into the rest of the chapter
+    core: bool = False
+
+    @property
+    def function(self) -> str:
+        """The name the learner's function (and its worked solution) has: the task's first word."""
+        found = re.match(r"\s*([A-Za-z_]\w*)", self.task)
+        if found is None:
+            raise ValueError(f"The task {self.task!r} must start with the function's name.")
+        return found.group(1)
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def register(name: str, exercise: Exercise) -> Exercise:
+    """Add an exercise under ``name`` (each chapter's module registers its own)."""
+    if name in EXERCISES:
+        raise ValueError(f"An exercise named {name!r} exists already (chapter "
+                         f"{EXERCISES[name].chapter}); choose another name.")  # fmt: skip
+    EXERCISES[name] = exercise
+    return exercise
+
+
+def close(a: Any, b: Any, tol: float = 1e-5) -> bool:
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol))
+
+
+def loose(a: Any, b: Any) -> bool:
+    """``close`` for float32 sums whose order may differ (matrix products, softmax)."""
+    return close(a, b, 1e-4)
+
+
+def equal(a: Any, b: Any) -> bool:
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def exact(a: Any, b: Any) -> bool:
+    """Whole numbers, equal: a count of bytes is an int, not 0.9 of one or the string "42"."""
+    if isinstance(a, bool) or isinstance(a, str):
+        return False
+    try:
+        return operator.index(a) == operator.index(b)
+    except TypeError:
+        return isinstance(a, float) and a.is_integer() and int(a) == operator.index(b)
+
+
+def near(a: Any, b: Any) -> bool:
+    """Numbers (or tuples of numbers) equal to 1e-9 relative."""
+    a, b = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (a, b))
+    return len(a) == len(b) and all(
+        math.isclose(float(x), float(y), rel_tol=1e-9, abs_tol=1e-12)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def exercise(name: str) -> Exercise:
+    """The registered exercise ``name``, or one error that lists them all."""
+    from . import exercises  # noqa: F401  (registers every chapter's exercises)
+
+    if name not in EXERCISES:
+        raise ValueError(f"Unknown exercise {name!r}; choose one of {', '.join(EXERCISES)}.")
+    return EXERCISES[name]
+
+
+def check(name: str, fn: Callable[..., Any], trials: int = 3, seed: int | None = None) -> bool:
+    """Compare ``fn`` with the library's version of exercise ``name``; print the verdict.
+
+    ``fn`` runs on copies of fresh random inputs, at most ``TIME_LIMIT`` seconds a call; an
+    error it raises, a ``None`` it returns (an unfinished stub) or an input it changes in place
+    fails the check with a message saying so.
+    """
+    ex = exercise(name)
+    check_count(trials, "trials", fix="each trial checks the function on fresh random inputs")
+    gen = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
+    for _ in range(trials):
+        for args in ex.cases(gen):
+            expected = ex.run(ex.reference, args)
+            ran, got = run_learner(name, lambda *copies: ex.run(fn, copies), args)
+            if not ran:
+                return False
+            ok = ex.accepts(args, got, expected) if ex.accepts else ex.same(got, expected)
+            if not ok:
+                print(f"{name}: mismatch on inputs {describe(args)}")
+                print(f"  expected {short(expected)}\n  got      {short(got)}\n  hint: {ex.hint}")
+                return False
+    print(f"{name}: correct on {trials} rounds of fresh random inputs (chapter {ex.chapter})")
+    return True

@@ -83,12 +83,16 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _gqa_cases(gen: torch.Generator) -> Cases:
+    """t queries, the last t of n >= t keys (a prompt: t = n; a decode step: t = 1)."""
     out: Cases = []
-    shapes = ((1, 1, 1, 1, 4), (2, 4, 2, 5, 8), (1, 6, 1, 7, 16), (2, 3, 3, 4, 8), (1, 8, 2, 9, 6))
-    for batch, heads, kv_heads, seq, dim in shapes:
-        q = torch.randn(batch, heads, seq, dim, generator=gen)
-        k = torch.randn(batch, kv_heads, seq, dim, generator=gen)
-        v = torch.randn(batch, kv_heads, seq, dim, generator=gen)
+    shapes = (
+        (1, 1, 1, 1, 1, 4), (2, 4, 2, 5, 5, 8), (1, 6, 1, 7, 7, 16), (2, 3, 3, 4, 4, 8),
+        (1, 8, 2, 1, 9, 6), (2, 4, 2, 3, 10, 8), (1, 9, 3, 6, 6, 4),
+    )  # fmt: skip
+    for batch, heads, kv_heads, t, n, dim in shapes:
+        q = torch.randn(batch, heads, t, dim, generator=gen)
+        k = torch.randn(batch, kv_heads, n, dim, generator=gen)
+        v = torch.randn(batch, kv_heads, n, dim, generator=gen)
         out.append((q, k, v))
     return out
 
@@ -96,8 +100,8 @@ def _gqa_cases(gen: torch.Generator) -> Cases:
 def _gqa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     from ..core.attention import attention, position_mask
 
-    positions = torch.arange(q.shape[2])
-    return attention(q, k, v, position_mask(positions, positions))
+    t, n = q.shape[2], k.shape[2]
+    return attention(q, k, v, position_mask(torch.arange(n - t, n), torch.arange(n)))
 
 
 # --- 02 the KV cache --------------------------------------------------------------------------
@@ -141,12 +145,9 @@ def _paged_cases(gen: torch.Generator) -> Cases:
 
 
 def _paged_slots(table: list[int], block_size: int, positions: Tensor) -> Tensor:
-    from ..kvcache.paged import BlockManager
+    from ..kvcache.paged import table_slots
 
-    manager = BlockManager(n_blocks=max(table) + 1, block_size=block_size)
-    seq = manager.add_sequence()
-    manager.tables[seq] = list(table)
-    return manager.slots(seq, positions)
+    return table_slots(table, block_size, positions)
 
 
 # --- 03 activation sparsity -------------------------------------------------------------------

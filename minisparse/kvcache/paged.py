@@ -27,6 +27,7 @@ PagedAttention" (SOSP 2023).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,13 @@ from ..core.model import ModelConfig, check_count
 
 class OutOfBlocks(MemoryError):
     """The block pool is exhausted."""
+
+
+def table_slots(table: list[int], block_size: int, positions: Tensor) -> Tensor:
+    """Physical slot table[p // B] * B + p % B of each position p (B = ``block_size``)."""
+    blocks = torch.tensor(table, dtype=torch.long)
+    positions = positions.cpu()
+    return blocks[positions // block_size] * block_size + positions % block_size
 
 
 class BlockManager:
@@ -114,10 +122,7 @@ class BlockManager:
 
     def slots(self, seq: int, positions: Tensor) -> Tensor:
         """Physical slot (block * block_size + offset) of each position of ``seq``."""
-        table = torch.tensor(self.table(seq), dtype=torch.long)
-        return table[positions.cpu() // self.block_size] * self.block_size + (
-            positions.cpu() % self.block_size
-        )
+        return table_slots(self.table(seq), self.block_size, positions)
 
     @property
     def blocks_in_use(self) -> int:
@@ -130,6 +135,9 @@ class PagedKVCache:
     ``cache[i]`` is layer i's view with the static cache's ``update`` protocol, so
     ``model(tokens, input_pos, cache)`` works unchanged. It runs the *active* sequence
     (``use(seq)``); ``fork()`` starts a sequence that shares the active one's prefix.
+    ``manager`` makes the bookkeeping (default ``BlockManager``; any class with its
+    ``add_sequence``, ``fork``, ``free_sequence``, ``prepare_write`` and ``table`` will do, such
+    as the one chapter 02's learner writes).
     """
 
     def __init__(
@@ -139,8 +147,10 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        manager: Callable[[int, int], BlockManager] = BlockManager,
     ) -> None:
-        self.manager = BlockManager(n_blocks, block_size)
+        self.manager = manager(n_blocks, block_size)
+        self.block_size = block_size
         shape = (config.n_layers, config.n_kv_heads, n_blocks * block_size, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -169,14 +179,15 @@ class PagedKVCache:
                 "fork() a sequence per request instead."
             )
         end = int(input_pos[-1]) + 1
-        bs = self.manager.block_size
+        bs = self.block_size
         for src, dst in self.manager.prepare_write(self.active, int(input_pos[0]), end):
             self.k[:, :, dst * bs : (dst + 1) * bs] = self.k[:, :, src * bs : (src + 1) * bs]
             self.v[:, :, dst * bs : (dst + 1) * bs] = self.v[:, :, src * bs : (src + 1) * bs]
-        slots = self.manager.slots(self.active, input_pos).to(self.k.device)
+        table = self.manager.table(self.active)
+        slots = table_slots(table, bs, input_pos).to(self.k.device)
         self.k[layer].index_copy_(1, slots, k[0])
         self.v[layer].index_copy_(1, slots, v[0])
-        every = self.manager.slots(self.active, torch.arange(end)).to(self.k.device)
+        every = table_slots(table, bs, torch.arange(end)).to(self.k.device)
         return self.k[layer].index_select(1, every)[None], self.v[layer].index_select(1, every)[
             None
         ]
@@ -310,4 +321,5 @@ __all__ = [
     "WasteReport",
     "random_trace",
     "simulate_waste",
+    "table_slots",
 ]

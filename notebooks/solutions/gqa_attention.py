@@ -1,4 +1,4 @@
-"""Chapter 01: causal grouped-query attention."""
+"""Chapter 01: causal grouped-query attention, for a prompt (t = n) and after a cache (t < n)."""
 
 import math
 
@@ -11,7 +11,8 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    t = q.shape[2]
-    future = torch.ones(t, t, dtype=torch.bool).triu(1)  # key j > query i
+    t, n = q.shape[2], k.shape[2]
+    query_pos = torch.arange(n - t, n)[:, None]  # the queries are the last t tokens
+    future = torch.arange(n)[None, :] > query_pos  # key j after query i: hidden
     scores = scores.masked_fill(future, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v

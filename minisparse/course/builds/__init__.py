@@ -1,0 +1,9 @@
+"""Each chapter's core builds: the heart of the chapter, written by the learner.
+
+One module per chapter registers its builds (``grading.register`` with ``core=True``): the
+library's version as the reference, fresh random cases with the edge cases a first attempt
+misses, and, for a class or a loop, a ``run`` that drives it through a script of operations.
+What the chapter plugs the learner's code into lives beside it (e.g. ``attention_with``).
+"""
+
+from . import ch01, ch02  # noqa: F401  (each registers its builds)

@@ -1,0 +1,132 @@
+"""Chapter 02's core builds: each check rejects the plausible wrong answers, and the learner's
+code runs inside the real model (tiled attention) and as a paged cache's bookkeeping."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from minisparse.core.model import make_cache
+from minisparse.course import check
+from minisparse.course.builds.ch01 import attention_with
+from minisparse.course.plug import solution
+from minisparse.kvcache.paged import PagedKVCache
+
+SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
+tiled = solution("tiled_attention", SOLUTIONS)
+Manager = solution("block_manager", SOLUTIONS)
+
+
+def no_running_max(q, k, v, block):
+    """exp(score) directly: right until a score passes ~88, where float32 exp overflows."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    t, n = q.shape[2], k.shape[2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(n - t, n)[:, None], float("-inf"))
+    p = torch.exp(s)
+    return (p @ v) / p.sum(-1, keepdim=True)
+
+
+def no_rescale(q, k, v, block):
+    """The running sums are not rescaled when the maximum grows."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    t, n = q.shape[2], k.shape[2]
+    q = q / math.sqrt(q.shape[-1])
+    m = torch.full((*q.shape[:-1], 1), float("-inf"))
+    total, a = torch.zeros_like(m), torch.zeros_like(q)
+    for start in range(0, n, block):
+        s = q @ k[:, :, start : start + block].transpose(-1, -2)
+        future = (
+            torch.arange(start, min(start + block, n))[None, :] > torch.arange(n - t, n)[:, None]
+        )
+        s = s.masked_fill(future, float("-inf"))
+        m = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = torch.exp(s - m)
+        total, a = total + p.sum(-1, keepdim=True), a + p @ v[:, :, start : start + block]
+    return a / total
+
+
+def whole_blocks_only(q, k, v, block):
+    """Drops the last, shorter block of keys."""
+    n = k.shape[2] // block * block
+    if n == 0:
+        return torch.zeros_like(q)
+    t = min(q.shape[2], n)
+    return torch.cat([tiled(q[:, :, :t], k[:, :, :n], v[:, :, :n], block), q[:, :, t:]], 2)
+
+
+class NoCopyOnWrite(Manager):
+    def prepare_write(self, seq, start, end):
+        table = self.tables[seq]
+        while len(table) * self.block_size < end:
+            table.append(self._take())
+        return []
+
+
+class ForkWithoutReferences(Manager):
+    def fork(self, seq):
+        child = self.add_sequence()
+        self.tables[child] = list(self.tables[seq])
+        return child
+
+
+class OneBlockTooMany(Manager):
+    def prepare_write(self, seq, start, end):
+        table = self.tables[seq]
+        while len(table) * self.block_size <= end:
+            table.append(self._take())
+        return super().prepare_write(seq, start, end)
+
+
+WRONG = {
+    "tiled_attention": [no_running_max, no_rescale, whole_blocks_only],
+    "block_manager": [NoCopyOnWrite, ForkWithoutReferences, OneBlockTooMany],
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "index"), [(n, i) for n, ws in WRONG.items() for i in range(len(ws))]
+)
+def test_each_plausible_mistake_fails_with_a_hint(name, index, capsys):
+    assert not check(name, WRONG[name][index], seed=0)
+    out = capsys.readouterr().out
+    assert "mismatch" in out and "hint:" in out
+
+
+def test_the_learners_tiled_attention_decodes_like_the_model():
+    model = tiny_model(n_kv_heads=2)
+    tokens = torch.randint(
+        0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        want = model(tokens)
+        with attention_with(model, attend=lambda q, k, v: tiled(q, k, v, 4)):
+            got = model(tokens)
+            cache = make_cache(model.config, max_seq_len=16)  # prompt, then one decode step
+            model(tokens[:, :8], torch.arange(8), cache)
+            step = model(tokens[:, 8:], torch.arange(8, 9), cache)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(step[0, -1], want[0, -1], atol=1e-5)
+    assert type(model.layers[0].attn).__name__ == "Attention"  # the model's own came back
+
+
+def test_the_learners_block_manager_runs_a_paged_cache():
+    model = tiny_model()
+    tokens = torch.randint(
+        0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        want = model(tokens)[0, -1]
+        cache = PagedKVCache(model.config, n_blocks=8, block_size=4, manager=Manager)
+        model(tokens[:, :7], torch.arange(7), cache)
+        cache.use(cache.fork())  # a second request sharing the 7-token prompt
+        for p in range(7, 12):
+            logits = model(tokens[:, p : p + 1], torch.arange(p, p + 1), cache)
+    assert torch.allclose(logits[0, -1], want, atol=1e-5)
+    assert len(cache.manager.free) == 8 - 3 - 1  # 3 blocks of the prompt, 1 copied on write
