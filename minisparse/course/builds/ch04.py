@@ -1,0 +1,5 @@
+"""Chapter 04's core builds (registered with ``grading.register(..., core=True)``)."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
