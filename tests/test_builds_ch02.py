@@ -130,3 +130,27 @@ def test_the_learners_block_manager_runs_a_paged_cache():
             logits = model(tokens[:, p : p + 1], torch.arange(p, p + 1), cache)
     assert torch.allclose(logits[0, -1], want, atol=1e-5)
     assert len(cache.manager.free) == 8 - 3 - 1  # 3 blocks of the prompt, 1 copied on write
+
+
+def test_the_learners_sink_rule_is_what_the_sink_cache_evicts_by():
+    model = tiny_model()
+    tokens = torch.randint(
+        0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2)
+    )
+    learner = solution("sink_visible", SOLUTIONS)
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return learner(*args)
+
+    def nll(rule):
+        from minisparse.kvcache import SinkCache, token_nll
+
+        caches = [SinkCache(2, 6, rule) for _ in range(model.config.n_layers)]
+        return token_nll(model, tokens[0], caches, chunk=4)
+
+    assert torch.allclose(nll(counted), nll(None), atol=1e-6) and calls
+    # a rule that keeps one token too many changes what the model sees
+    wider = lambda q, k, s, w: learner(q, k, s, w + 1)  # noqa: E731
+    assert not torch.allclose(nll(wider), nll(None), atol=1e-6)

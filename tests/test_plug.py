@@ -28,7 +28,7 @@ def my_rope(x, cos, sin):
 def test_a_passing_function_is_what_runs(capsys):
     impl = use("rope", my_rope, seed=0)
     assert isinstance(impl, Impl) and impl.fn is my_rope and impl.who == "yours" and impl.learners
-    assert "from here on the chapter runs yours apply_rope" in capsys.readouterr().out
+    assert "from here on the chapter runs apply_rope (yours)" in capsys.readouterr().out
     x, cos, sin = torch.randn(1, 2, 3, 4), torch.randn(3, 4), torch.randn(3, 4)
     assert torch.equal(impl(x, cos, sin), my_rope(x, cos, sin))
 
@@ -40,7 +40,7 @@ def test_a_stub_leaves_the_librarys_version_running(capsys):
     impl = use("rope", stub, seed=0)
     out = capsys.readouterr().out
     assert "not written yet (write my_apply_rope)" in out
-    assert "until yours passes, the chapter runs the library's apply_rope" in out
+    assert "until yours passes, the chapter runs apply_rope (the library's)" in out
     assert impl.who == "the library's" and not impl.learners and str(impl) == "rope: the library's"
     x, cos, sin = torch.randn(1, 2, 3, 4), torch.randn(3, 4), torch.randn(3, 4)
     assert torch.equal(impl(x, cos, sin), apply_rope(x, cos, sin))

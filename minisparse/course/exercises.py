@@ -17,6 +17,7 @@ check that every solution passes and that a wrong answer fails.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,7 @@ def _exercise(
     return name, Exercise(chapter, task, reference, cases, same, hint, accepts)
 
 
-_SMALL: list[tuple[str, Exercise]] = [
+_ENTRIES: list[tuple[str, Exercise]] = [
         _exercise(
             "rms_norm", "00",
             "rms_norm(x [..., d], weight [d], eps) -> x / sqrt(mean(x^2) + eps) * weight, the "
@@ -290,7 +291,10 @@ _SMALL: list[tuple[str, Exercise]] = [
         ),
 ]  # fmt: skip
 
-for _name, _exercise_ in _SMALL:
-    register(_name, _exercise_)
+#: small exercises that are also a chapter's core build: ``use`` plugs them into the model
+_CORE = {"rope", "gqa_attention", "sink_visible"}
+
+for _name, _exercise_ in _ENTRIES:
+    register(_name, dataclasses.replace(_exercise_, core=_name in _CORE))
 
 from . import builds  # noqa: E402,F401  (the chapters' core builds register themselves)

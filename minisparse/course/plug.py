@@ -86,7 +86,7 @@ def use(name: str, fn: Callable[..., Any], trials: int = 3, seed: int | None = N
         fn, who = solution(name, folder), SOLUTION
         print(f"{name}: {SOLUTIONS_ENV} is set, so the worked solution stands in for yours")
     if check(name, fn, trials=trials, seed=seed):
-        print(f"{name}: from here on the chapter runs {who} {ex.function}")
+        print(f"{name}: from here on the chapter runs {ex.function} ({who})")
         return Impl(name, fn, who)
-    print(f"{name}: until yours passes, the chapter runs the library's {ex.function}")
+    print(f"{name}: until yours passes, the chapter runs {ex.function} ({LIBRARY})")
     return Impl(name, ex.reference, LIBRARY)

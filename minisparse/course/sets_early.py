@@ -131,9 +131,9 @@ def _sink_cases(gen: torch.Generator) -> Cases:
 
 
 def _sink_visible(q_pos: Tensor, k_pos: Tensor, n_sink: int, window: int) -> Tensor:
-    from ..kvcache.eviction import SinkCache
+    from ..kvcache.eviction import sink_visible
 
-    return SinkCache(n_sink, window).visible(q_pos, k_pos)
+    return sink_visible(q_pos, k_pos, n_sink, window)
 
 
 def _paged_cases(gen: torch.Generator) -> Cases:

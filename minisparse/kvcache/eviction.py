@@ -32,12 +32,23 @@ Models" (NeurIPS 2023).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.attention import attention_weights, kv_group, position_mask, repeat_kv
 from ..core.model import check_count
+
+Visible = Callable[[Tensor, Tensor, int, int], Tensor]
+
+
+def sink_visible(q_pos: Tensor, k_pos: Tensor, n_sink: int, window: int) -> Tensor:
+    """[t, n]: True where the query at position q_pos[i] sees the key at k_pos[j], i.e.
+    j <= p and (j < n_sink or j > p - window)."""
+    kept = (k_pos[None, :] < n_sink) | (k_pos[None, :] > q_pos[:, None] - window)
+    return position_mask(q_pos, k_pos) & kept
 
 
 class SinkCache:
@@ -46,21 +57,22 @@ class SinkCache:
     A query at position p sees keys at positions j <= p with j < n_sink or j > p - window. Keys
     no later query can see are dropped at the next call, so the cache holds at most
     n_sink + window - 1 + (new tokens) entries and a prefill chunk is masked exactly as if its
-    tokens had been fed one by one.
+    tokens had been fed one by one. ``rule(q_pos, k_pos, n_sink, window)`` decides what is
+    visible (default ``sink_visible``; chapter 02's learner writes their own).
     """
 
-    def __init__(self, n_sink: int = 4, window: int = 256) -> None:
+    def __init__(self, n_sink: int = 4, window: int = 256, rule: Visible | None = None) -> None:
         check_count(n_sink, "n_sink", minimum=0, fix="StreamingLLM keeps 4")
         check_count(window, "window", fix="e.g. 256 recent tokens")
         self.n_sink, self.window = n_sink, window
+        self.rule = sink_visible if rule is None else rule
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.pos: Tensor | None = None  # [n] positions of the stored keys
 
     def visible(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """[t, n] mask: causal, and either a sink or inside the query's window."""
-        kept = (k_pos[None, :] < self.n_sink) | (k_pos[None, :] > q_pos[:, None] - self.window)
-        return position_mask(q_pos, k_pos) & kept
+        """[t, n] mask: causal, and either a sink or inside the query's window (``rule``)."""
+        return self.rule(q_pos, k_pos, self.n_sink, self.window)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         if self.k is None:
@@ -139,4 +151,4 @@ class H2OCache:
         return 0 if self.pos is None else int(self.pos.shape[-1])
 
 
-__all__ = ["H2OCache", "SinkCache"]
+__all__ = ["H2OCache", "SinkCache", "sink_visible"]
