@@ -84,9 +84,28 @@ class OneBlockTooMany(Manager):
         return super().prepare_write(seq, start, end)
 
 
+def heavy_among_all(score, budget, recent):
+    """Chooses the heavy hitters among every entry, the newest included (kept twice)."""
+    n = score.shape[-1]
+    if n <= budget:
+        return torch.arange(n).expand(score.shape)
+    heavy = score.topk(budget - recent, dim=-1).indices.sort(dim=-1).values
+    return torch.cat([heavy, torch.arange(n - recent, n).expand(*score.shape[:-1], recent)], -1)
+
+
+def no_recent_window(score, budget, recent):
+    """The budget largest scores, the newest tokens not protected (they have had little time to
+    collect attention, so they are evicted first)."""
+    n = score.shape[-1]
+    if n <= budget:
+        return torch.arange(n).expand(score.shape)
+    return score.topk(budget, dim=-1).indices.sort(dim=-1).values
+
+
 WRONG = {
     "tiled_attention": [no_running_max, no_rescale, whole_blocks_only],
     "block_manager": [NoCopyOnWrite, ForkWithoutReferences, OneBlockTooMany],
+    "h2o_keep": [heavy_among_all, no_recent_window],
 }
 
 
@@ -154,3 +173,19 @@ def test_the_learners_sink_rule_is_what_the_sink_cache_evicts_by():
     # a rule that keeps one token too many changes what the model sees
     wider = lambda q, k, s, w: learner(q, k, s, w + 1)  # noqa: E731
     assert not torch.allclose(nll(wider), nll(None), atol=1e-6)
+
+
+def test_the_learners_h2o_rule_is_what_the_h2o_cache_keeps():
+    from minisparse.kvcache import H2OCache, token_nll
+
+    model = tiny_model()
+    tokens = torch.randint(
+        0, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(3)
+    )
+    learner = solution("h2o_keep", SOLUTIONS)
+
+    def nll(rule):
+        return token_nll(model, tokens, [H2OCache(8, 3, rule) for _ in model.layers], chunk=4)
+
+    assert torch.allclose(nll(learner), nll(None), atol=1e-6)
+    assert not torch.allclose(nll(no_recent_window), nll(None), atol=1e-6)

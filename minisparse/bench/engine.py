@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from ..core.checks import check_count
-from ..engine.compose import EngineConfig, build
+from ..engine.compose import Engine, EngineConfig, build
 from ..engine.pareto import pareto_front
 from ..measure.machine import machine
 from ..measure.timing import interleaved_decode_steps
@@ -101,11 +102,15 @@ def bench_engine(
     repeats: int = 3,
     progress: bool = True,
     seq_len: int = 256,
+    builder: Callable[..., Engine] = build,
 ) -> list[EngineRow]:
-    """One row per configuration, timed side by side (``dense`` must be among them)."""
+    """One row per configuration, timed side by side (``dense`` must be among them).
+
+    ``builder(base, tokenizer, config, calibration)`` makes each engine (chapter 11's learner
+    passes their own)."""
     if "dense" not in configs:
         raise ValueError("configs must include 'dense': every ratio is to the dense model.")
-    engines = {name: build(base, tokenizer, cfg, calibration) for name, cfg in configs.items()}
+    engines = {name: builder(base, tokenizer, cfg, calibration) for name, cfg in configs.items()}
     runs = {
         name: (lambda n, e=e: e.generate(prompt, n, stop_at_eos=False))
         for name, e in engines.items()

@@ -93,6 +93,22 @@ class SinkCache:
         return 0 if self.pos is None else int(self.pos.numel())
 
 
+Keep = Callable[[Tensor, int, int], Tensor]
+
+
+def h2o_keep(score: Tensor, budget: int, recent: int) -> Tensor:
+    """Which of n entries (in position order) H2O keeps: [..., n] accumulated attention ->
+    indices [..., min(n, budget)] in position order: the budget - recent entries with the largest
+    score among all but the newest ``recent``, then those ``recent``."""
+    n = score.shape[-1]
+    if n <= budget:
+        return torch.arange(n, device=score.device).expand(score.shape)
+    old = n - recent  # entries are kept in position order: the newest are last
+    heavy = score[..., :old].topk(budget - recent, dim=-1).indices
+    newest = torch.arange(old, n, device=score.device).expand(*score.shape[:-1], recent)
+    return torch.cat([heavy.sort(dim=-1).values, newest], dim=-1)
+
+
 class H2OCache:
     """Heavy-hitter oracle for one layer: ``recent`` newest tokens + top accumulated attention.
 
@@ -103,12 +119,15 @@ class H2OCache:
     beyond the budget before the eviction that follows it.
     """
 
-    def __init__(self, budget: int = 256, recent: int | None = None) -> None:
+    def __init__(
+        self, budget: int = 256, recent: int | None = None, rule: Keep | None = None
+    ) -> None:
         check_count(budget, "budget", fix="e.g. 256 kept tokens per head")
         recent = budget // 2 if recent is None else check_count(recent, "recent", minimum=0)
         if recent > budget:
             raise ValueError(f"Need budget >= 1 and 0 <= recent <= budget; got {budget}, {recent}.")
         self.budget, self.recent = budget, recent
+        self.rule = h2o_keep if rule is None else rule  # which entries survive an eviction
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.pos: Tensor | None = None  # [b, kv_heads, n]
@@ -135,13 +154,9 @@ class H2OCache:
         return out
 
     def evict(self) -> None:
-        n = self.pos.shape[-1]
-        if n <= self.budget:
+        if self.pos.shape[-1] <= self.budget:
             return
-        old = n - self.recent  # entries are kept in position order: the newest are last
-        heavy = self.score[..., :old].topk(self.budget - self.recent, dim=-1).indices
-        newest = torch.arange(old, n, device=heavy.device).expand(*heavy.shape[:-1], self.recent)
-        keep = torch.cat([heavy.sort(dim=-1).values, newest], dim=-1)
+        keep = self.rule(self.score, self.budget, self.recent)
         gather = keep[..., None].expand(-1, -1, -1, self.k.shape[-1])
         self.k, self.v = self.k.gather(2, gather), self.v.gather(2, gather)
         self.pos, self.score = self.pos.gather(2, keep), self.score.gather(2, keep)
@@ -151,4 +166,4 @@ class H2OCache:
         return 0 if self.pos is None else int(self.pos.shape[-1])
 
 
-__all__ = ["H2OCache", "SinkCache", "sink_visible"]
+__all__ = ["H2OCache", "SinkCache", "h2o_keep", "sink_visible"]

@@ -5,6 +5,10 @@ shapes, key counts that are not a multiple of the block, decode-sized queries af
 scores large enough that ``exp`` overflows float32 unless the running maximum is subtracted. It
 then runs inside the real model through ``attention_with`` (chapter 01's plug).
 
+The optional challenge ``h2o_keep`` is H2O's eviction rule (which entries a heavy-hitter cache
+keeps), checked against ``kvcache.eviction.h2o_keep`` and then run as the rule of the chapter's
+``H2OCache`` on the real model.
+
 ``BlockManager`` is a class; its check drives it through a random script of requests (new
 sequences, prompts and appended tokens, forks that share a prefix, rewrites of the last token,
 frees) and stores a number per written position in a simulated pool: every live sequence must
@@ -22,8 +26,9 @@ import torch
 from torch import Tensor
 
 from ...core.attention import tiled_attention
+from ...kvcache.eviction import h2o_keep
 from ...kvcache.paged import BlockManager
-from ..grading import Exercise, loose, register
+from ..grading import Exercise, equal, loose, register
 
 __all__: list[str] = []
 
@@ -165,5 +170,38 @@ register(
         "block, return (old, new), drop one reference to the old one)",
         run=_run_script,
         core=True,
+    ),
+)
+
+
+def _same_entries(got: Any, expected: Tensor) -> bool:
+    """The same kept entries per row, in any order (attention does not care about order)."""
+    got = torch.as_tensor(got)
+    return got.shape == expected.shape and equal(got.sort(-1).values, expected.sort(-1).values)
+
+
+def _h2o_cases(gen: torch.Generator) -> Cases:
+    out: Cases = []
+    for shape, budget, recent in (
+        ((1, 1, 5), 8, 4),  # fewer entries than the budget: all kept
+        ((1, 2, 9), 6, 3), ((2, 3, 17), 8, 0), ((1, 3, 12), 5, 5), ((1, 1, 40), 16, 8),
+    ):  # fmt: skip
+        out.append((torch.rand(*shape, generator=gen), budget, recent))
+    return out
+
+
+register(
+    "h2o_keep",
+    Exercise(
+        "02",
+        "h2o_keep(score [b, g, n], budget, recent) -> long [b, g, min(n, budget)]: the indices of "
+        "the entries H2O keeps (any order): the budget - recent largest scores among the first "
+        "n - recent entries, and the last `recent` entries",
+        h2o_keep,
+        _h2o_cases,
+        _same_entries,
+        "when n <= budget keep all (arange(n)); else topk(budget - recent) over score[..., :n - "
+        "recent] only (the newest are kept anyway, and must not be counted twice), plus "
+        "n - recent .. n - 1",
     ),
 )
