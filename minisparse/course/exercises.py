@@ -292,7 +292,7 @@ _ENTRIES: list[tuple[str, Exercise]] = [
 ]  # fmt: skip
 
 #: small exercises that are also a chapter's core build: ``use`` plugs them into the model
-_CORE = {"rope", "gqa_attention", "sink_visible"}
+_CORE = {"rms_norm", "rope", "gqa_attention", "sink_visible"}
 
 for _name, _exercise_ in _ENTRIES:
     register(_name, dataclasses.replace(_exercise_, core=_name in _CORE))
