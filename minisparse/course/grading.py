@@ -208,9 +208,8 @@ def near(a: Any, b: Any) -> bool:
 
 
 def exercise(name: str) -> Exercise:
-    """The registered exercise ``name``, or one error that lists them all."""
-    from . import exercises  # noqa: F401  (registers every chapter's exercises)
-
+    """The registered exercise ``name``, or one error that lists them all (importing
+    ``minisparse.course`` registers every chapter's exercises and builds)."""
     if name not in EXERCISES:
         raise ValueError(f"Unknown exercise {name!r}; choose one of {', '.join(EXERCISES)}.")
     return EXERCISES[name]

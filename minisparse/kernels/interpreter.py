@@ -18,6 +18,10 @@ them so for the duration of one launch and puts everything back afterwards: the 
 scoped patching triton's interpreter itself does to triton.language while it runs a grid. A
 lock keeps our launches from overlapping. Nothing here imports triton until a kernel is
 launched.
+
+Kernels written elsewhere (a reader's own, launched as ``kernel[grid](...)``) get the same
+treatment inside ``with interpreted_launches():``: a launch given CPU tensors runs interpreted,
+a launch on CUDA tensors compiles as usual, and afterwards every kernel is as it was.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torch import Tensor
 __all__ = [
     "check_launchable",
     "interpreted",
+    "interpreted_launches",
     "interpreted_scope",
     "interpreting",
     "launch",
@@ -157,3 +162,39 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     check_launchable(*tensors)
     with _LOCK, interpreted_scope(kernel.fn.__globals__):
         interpreted(kernel)[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def interpreted_launches() -> Iterator[None]:
+    """Within the block, any ``@triton.jit`` kernel's CPU launches run in the interpreter.
+
+    ``kernel[grid](*args)`` then runs like ``launch``: compiled when every tensor argument is on
+    CUDA, interpreted otherwise. For kernels defined outside minisparse (a reader's own), which
+    would otherwise need ``TRITON_INTERPRET=1`` before their definition to take CPU tensors. A
+    kernel defined under that setting is interpreted already and is not affected. Restores
+    triton on exit.
+    """
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    own = JITFunction.__dict__.get("__getitem__")
+    compiled = own or KernelInterface.__getitem__
+
+    def getitem(self: Any, grid: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+            if all(t.device.type == "cuda" for t in tensors):
+                return compiled(self, grid)(*args, **kwargs)
+            check_launchable(*tensors)
+            with _LOCK, interpreted_scope(self.fn.__globals__):
+                return interpreted(self)[grid](*args, **kwargs)
+
+        return run
+
+    JITFunction.__getitem__ = getitem
+    try:
+        yield
+    finally:
+        if own is None:
+            del JITFunction.__getitem__
+        else:
+            JITFunction.__getitem__ = own

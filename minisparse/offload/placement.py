@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +49,7 @@ from ..sparsity import per_layer, record
 __all__ = [
     "POLICIES",
     "Placement",
+    "Solver",
     "budget_for",
     "check_frequencies",
     "check_neuron_bytes",
@@ -66,6 +67,9 @@ __all__ = [
 ]
 
 POLICIES = ("ilp", "greedy", "layerwise")
+
+#: (frequencies, bytes per neuron per layer, budget, group_size, min_per_layer) -> hot masks
+Solver = Callable[[list[Tensor], list[int], int, int, int], Sequence[Tensor]]
 
 
 @dataclass
@@ -194,11 +198,15 @@ def place(
     group_size: int = 64,
     min_per_layer: int = 0,
     time_limit: float = 60.0,
+    solver: Solver | None = None,
 ) -> Placement:
     """Choose the fast device's neurons under ``budget_bytes`` (see the module docstring).
 
     ``min_per_layer`` applies to ``"ilp"`` only (the greedy and layer-wise rules ignore it;
-    ``feasible`` says whether their result meets it).
+    ``feasible`` says whether their result meets it). ``solver`` stands in for ``solve_ilp``
+    under ``"ilp"``: called as ``solver(frequencies, neuron_bytes, budget, group_size,
+    min_per_layer)`` with float64 frequencies and one byte count per layer, it returns the
+    boolean hot mask of each layer, taken as optimal (chapter 08's build plugs in here).
     """
     f = check_frequencies(frequencies)
     sizes = check_neuron_bytes(neuron_bytes, len(f))
@@ -211,8 +219,11 @@ def place(
         hot, optimal = greedy(f, sizes, budget), True
     elif policy == "layerwise":
         hot, optimal = layerwise(widths, sizes, budget), True
-    else:
+    elif solver is None:
         hot, optimal = solve_ilp(f, sizes, budget, group_size, min_per_layer, time_limit)
+    else:
+        masks = solver(f, sizes, budget, group_size, min_per_layer)
+        hot, optimal = [torch.as_tensor(h, dtype=torch.bool) for h in masks], True
     return Placement(
         hot=hot,
         bytes_used=sum(int(h.sum()) * b for h, b in zip(hot, sizes, strict=True)),

@@ -67,13 +67,18 @@ def offload_report(
     gpu: T.GPU,
     min_per_layer: int = 0,
     group_size: int = 32,
+    solver: O.Solver | None = None,
 ) -> dict[str, Any]:
     """The placement of ``policy`` at ``budget_share`` of the FFN bytes, and every policy's
-    held-out load and modelled tokens/s at that budget."""
+    held-out load and modelled tokens/s at that budget (``solver``: the ILP's program, as in
+    ``place``)."""
     if not 0 < budget_share <= 1:
         raise ValueError(f"--budget is a share of the FFN bytes in (0, 1], got {budget_share}.")
     budget = O.budget_for(p.calibration, shape.neuron_bytes, budget_share)
-    chosen = O.place(p.calibration, shape.neuron_bytes, budget, policy, group_size, min_per_layer)
+    chosen = O.place(
+        p.calibration, shape.neuron_bytes, budget, policy, group_size, min_per_layer,
+        solver=solver,
+    )  # fmt: skip
     speeds = T.policy_speeds(
         shape,
         p.calibration,
@@ -83,6 +88,7 @@ def offload_report(
         min_per_layer=min_per_layer,
         group_size=group_size,
         held_out=p.held_out,
+        solver=solver,
     )
     return {
         "model": p.description,

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .placement import place
+from .placement import Solver, place
 
 __all__ = [
     "GPU",
@@ -263,6 +263,7 @@ def policy_speeds(
     min_per_layer: int = 0,
     group_size: int = 256,
     held_out: Sequence[Tensor] | None = None,
+    solver: Solver | None = None,
 ) -> dict[str, dict[str, float]]:
     """Modelled tokens/s and fast-device load of every policy.
 
@@ -271,7 +272,7 @@ def policy_speeds(
     (``neuron_budget``). Every policy gets the same GPU memory: the budget plus the attention,
     LM head and predictors, which the hot/cold policies keep on the GPU. Rows: all-CPU,
     llama.cpp layer-wise (dense), layer-wise FFNs (sparse), hot/cold greedy, hot/cold ILP, and
-    all-GPU when the budget holds every neuron.
+    all-GPU when the budget holds every neuron. ``solver``: the ILP's program, as in ``place``.
     """
     budget = neuron_budget(shape, gpu, predictor_share) if budget_bytes is None else budget_bytes
     memory = budget + shape.other_bytes + predictor_share * shape.ffn_bytes
@@ -289,7 +290,10 @@ def policy_speeds(
             ("greedy", "hot/cold greedy"),
             ("ilp", "hot/cold ILP"),
         ):
-            p = place(made_on, shape.neuron_bytes, budget, policy, group_size, min_per_layer)
+            p = place(
+                made_on, shape.neuron_bytes, budget, policy, group_size, min_per_layer,
+                solver=solver,
+            )  # fmt: skip
             step = hybrid_step(shape, frequencies, p.hot, cpu, gpu, batch, predictor_share)
             add(label, step, p.load([active(f, batch) for f in frequencies]))
     if budget >= shape.ffn_bytes and fits_on_gpu(shape, gpu):

@@ -5,7 +5,8 @@ Registered by exact type with ``minisparse.runtime.lowering``: the sparse MLP ha
 in selector mode (a predictor registered for the MLP's ``select``, chapter 06, chooses the
 rows; ``selector_of``). Its weights are float32 rows, or int8 codes with float32 scales (per
 neuron for gate and up, per output channel for the transposed down projection). Anything else
-(a hooked module, another activation, a selector the C step does not know) stays in torch.
+(a hooked module, another activation, a selector the C step does not know, a ``gather``
+function of its own) stays in torch.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def sparse_mlp_layer(
 ) -> SparseMlpLayer | None:
     act = activation_of(mlp.act)
     weights = sparse_weights(mlp)
-    if act is None or act[1] >= 0 or weights is None:
-        return None
+    if act is None or act[1] >= 0 or weights is None or mlp.gather is not None:
+        return None  # a gather function of its own runs in torch
     ffn, dim = (mlp.Q_down_t if mlp.int8 else mlp.W_down_t).shape
     head = (dim, ffn)
     if mlp.threshold is not None:

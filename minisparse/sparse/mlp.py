@@ -37,6 +37,7 @@ matrices. Both layouts and their checkpoint names are in ``minisparse.sparse.wei
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -64,6 +65,7 @@ __all__ = [
     "ACT_NAMES",
     "BACKENDS",
     "PREFILL_TOKENS",
+    "Gather",
     "MaskedMLP",
     "Selector",
     "SparseMLP",
@@ -76,6 +78,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "cpu", "triton")
+Gather = Callable[[Tensor, Tensor, Tensor], Tensor]  # (W [N, K], x [tokens, K], idx) -> [tokens, n]
 ACT_NAMES = {nn.SiLU: "silu", nn.ReLU: "relu"}
 
 
@@ -151,6 +154,13 @@ class SparseMLP(nn.Module):
     ``down_proj.weight`` [dim, ffn]): a sparsified model saves and loads the same checkpoints
     as the dense one.
 
+    ``gather`` (float32 weights only): a function (W [N, K], x [tokens, K], idx [n]) ->
+    [tokens, n] that computes the row-sparse products x W[idx]^T in place of the backend's
+    ``gather_gemv`` (the up rows in threshold mode; gate and up, unfused, in select mode; a
+    CPU prefill reads whole matrices as above). Chapter 07 plugs the reader's own kernel in
+    here; such a module runs in torch, never in the compiled decode step. Default None: the
+    backend's kernel.
+
     Given an MLP of ``Int8Linear`` projections it keeps their int8 codes and scales instead
     (``int8`` is True; buffers ``Q_gate``, ``s_gate``, ``Q_up``, ``s_up``, ``Q_down_t``,
     ``s_down``) and runs the int8 kernels, on the CPU (torch elsewhere; there are no Triton int8
@@ -164,6 +174,7 @@ class SparseMLP(nn.Module):
         threshold: float | None = None,
         select: Selector | None = None,
         backend: str = "auto",
+        gather: Gather | None = None,
     ) -> None:
         super().__init__()
         if (threshold is None) == (select is None):
@@ -200,6 +211,9 @@ class SparseMLP(nn.Module):
         self.act_name = activation_name(mlp.act)
         self.threshold = threshold
         self.select = select
+        if gather is not None and self.int8:
+            raise ValueError("gather= computes float32 rows; this MLP holds int8 weights.")
+        self.gather = gather
         self.last_density = 1.0  # fraction of neurons read in the last call (for reporting)
         self.last_keep: Tensor | None = None  # the last call's mask [tokens, ffn] (for tests)
         self.step_density = [0.0, 0]  # summed share of neurons read by one-token calls, calls
@@ -308,7 +322,8 @@ class SparseMLP(nn.Module):
         """x @ W_name[idx].T for name "gate" or "up": [tokens, n]."""
         if self.int8:
             return gather_gemv_i8(self._buffers[f"Q_{name}"], self._buffers[f"s_{name}"], x, idx)
-        return self.ops.gather_gemv(self._buffers[f"W_{name}"], x, idx)
+        gather = self.ops.gather_gemv if self.gather is None else self.gather
+        return gather(self._buffers[f"W_{name}"], x, idx)
 
     def _down(self, h: Tensor, idx: Tensor) -> Tensor:
         """The down projection of h [tokens, ffn], reading the rows idx of W_down_t."""
@@ -337,7 +352,7 @@ class SparseMLP(nn.Module):
         if self.act_name is not None and self.int8:
             weights = [self._buffers[name] for name in INT8_BUFFERS]
             return sparse_ffn_i8(x, *weights, idx, self.act_name)
-        if self.act_name is not None:
+        if self.act_name is not None and self.gather is None:
             return self.ops.sparse_ffn(x, self.W_gate, self.W_up, self.W_down_t, idx, self.act_name)
         gate = self.act(self._rows("gate", x, idx))
         h = torch.zeros(x.shape[0], self.ffn_dim, dtype=x.dtype, device=x.device)

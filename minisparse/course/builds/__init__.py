@@ -7,3 +7,5 @@ What the chapter plugs the learner's code into lives beside it (e.g. ``attention
 """
 
 from . import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11  # noqa: F401
+
+__all__: list[str] = []
