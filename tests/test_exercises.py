@@ -44,13 +44,6 @@ def no_t_squared(student, teacher, tokens, temperature, kd_weight):
     return kd_weight * kl + (1 - kd_weight) * ce
 
 
-def as_mask(W, x, idx):
-    """Rows chosen by a boolean mask: sorted, and a repeated index counted once."""
-    mask = torch.zeros(W.shape[0], dtype=torch.bool)
-    mask[idx] = True
-    return x @ W[mask].T
-
-
 def jaccard(a, b, share):
     """The overlap divided by the union of the two top sets instead of by k."""
     k = max(1, round(share * a.numel()))
@@ -109,7 +102,6 @@ WRONG = {
     ),  # heads interleaved, not consecutive
     "recall_precision": lambda pred, actual: solution("recall_precision")(pred, actual)[::-1],
     "recall_cutoff": lambda logits, active, r: float(torch.quantile(logits.flatten(), 1 - r)),
-    "gather_gemv": as_mask,
     "scatter_gemv": lambda W_t, x, t: (x * (x.abs() > t)) @ W_t,  # 0 x NaN = NaN
     "sparse_ffn": activation_of_product,
     "fast_load": lambda hot, f: sum(float(h.float().mean()) for h in hot) / len(hot),

@@ -196,14 +196,6 @@ _ENTRIES: list[tuple[str, Exercise]] = [
             _same_units_pass,
         ),
         _exercise(
-            "gather_gemv", "07",
-            "gather_gemv(W [N, K], x [K] or [B, K], idx [m]) -> x W[idx]^T: [m] or [B, m], in "
-            "idx's order",
-            loose,
-            "gather the rows W[idx] (in idx's order, repeats included), then one product; a "
-            "boolean mask would sort the rows and merge repeats",
-        ),
-        _exercise(
             "scatter_gemv", "07",
             "scatter_gemv(W_t [K, N], x [K] or [B, K], threshold) -> [N] or [B, N]: "
             "the sum over the channels with |x_k| > threshold of x_k W_t[k], per row",
@@ -292,7 +284,7 @@ _ENTRIES: list[tuple[str, Exercise]] = [
 ]  # fmt: skip
 
 #: small exercises that are also a chapter's core build: ``use`` plugs them into the model
-_CORE = {"rms_norm", "rope", "gqa_attention", "sink_visible"}
+_CORE = {"rms_norm", "rope", "gqa_attention", "sink_visible", "scatter_gemv"}
 
 for _name, _exercise_ in _ENTRIES:
     register(_name, dataclasses.replace(_exercise_, core=_name in _CORE))

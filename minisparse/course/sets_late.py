@@ -87,22 +87,6 @@ def _vector(gen: torch.Generator, batch: int | None, k: int) -> Tensor:
     return torch.randn(k, generator=gen) if batch is None else torch.randn(batch, k, generator=gen)
 
 
-def _gather_cases(gen: torch.Generator) -> Cases:
-    out: Cases = []
-    for n, k, m, batch in ((1, 1, 1, None), (7, 5, 3, None), (33, 17, 10, 2), (64, 48, 0, None)):
-        idx = torch.randint(0, n, (m,), generator=gen)  # any order
-        out.append((torch.randn(n, k, generator=gen), _vector(gen, batch, k), idx))
-    idx = torch.randint(0, 20, (25,), generator=gen)  # more entries than rows: repeats
-    out.append((torch.randn(20, 9, generator=gen), _vector(gen, 3, 9), idx))
-    return out
-
-
-def _gather_gemv(W: Tensor, x: Tensor, idx: Tensor) -> Tensor:
-    from ..kernels.reference import gather_gemv_ref
-
-    return gather_gemv_ref(W, x, idx)
-
-
 def _scatter_cases(gen: torch.Generator) -> Cases:
     out: Cases = []
     settings = ((1, 1, None, 0.0), (9, 5, None, 0.5), (40, 17, 3, 1.0), (16, 8, 2, 0.0))
@@ -314,7 +298,6 @@ def _resident_bytes(model: nn.Module) -> int:
 CASES: dict[str, tuple[Callable[..., Any], Callable[[torch.Generator], Cases]]] = {
     "recall_precision": (_recall_precision, _confusion_cases),
     "recall_cutoff": (_recall_cutoff, _cutoff_cases),
-    "gather_gemv": (_gather_gemv, _gather_cases),
     "scatter_gemv": (_scatter_gemv, _scatter_cases),
     "sparse_ffn": (_sparse_ffn, _ffn_cases),
     "fast_load": (_fast_load, _load_cases),
