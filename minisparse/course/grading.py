@@ -137,6 +137,10 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
 
 @dataclass(frozen=True)
 class Exercise:
+    """One graded exercise or core build: the task, the library's reference, fresh cases, how
+    answers compare (``same``, or ``accepts`` where several are right) and a hint; ``run``
+    drives a class or a loop through one case; ``core`` marks a chapter's core build."""
+
     chapter: str
     task: str  # what to write: the signature and its meaning, starting with the function's name
     reference: Callable[..., Any]

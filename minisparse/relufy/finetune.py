@@ -16,6 +16,8 @@ A [r, in], B [out, r], B = 0 at the start (Hu et al. 2021); only A and B train, 
 ``merge_lora_`` folds B A into W afterwards (``minisparse.relufy.lora``). Functions whose
 name ends in ``_`` change the model they are given (``finetune_`` trains the student in place).
 
+One step (``distillation_step``): the teacher's logits without gradients, the student's with,
+the loss, backward, the gradient norm clipped to ``grad_clip``, an optimiser step.
 Optimiser: AdamW, learning rate warmed up linearly for ``warmup`` steps, then cosine decay to
 ``min_lr_ratio`` of the peak. ``torch.autocast`` to bf16 (weights and optimiser state stay
 fp32) roughly doubles throughput on CPUs with bf16 instructions (AVX512-BF16, AMX) but is several
@@ -23,14 +25,13 @@ times *slower* than fp32 on CPUs without them, where torch falls back to a scala
 default (``bf16=None``) it is used only where the hardware has it (``native_bf16``).
 
 A checkpoint (trainable tensors, optimiser state, history) is written every
-``checkpoint_every`` steps; a run started again with the same settings and directory resumes
-from it.
+``checkpoint_every`` steps (``minisparse.relufy.checkpoint``); a run started again with the same
+settings and directory resumes from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -39,16 +40,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..core.checks import check_count, check_fraction, check_positive
 from ..core.model import Transformer
-from ..io.cache import save_tensors_atomic
 from ..measure.machine import cpu_info, cpu_name
 from ..sparsity import recording
+from .checkpoint import load_checkpoint, save_checkpoint
 from .lora import (
     LORA_TARGETS,
     LoRALinear,
@@ -166,6 +165,41 @@ def distillation_loss(
     return config.kd_weight * kl + (1 - config.kd_weight) * ce, kl, ce
 
 
+def distillation_step(
+    student: Transformer,
+    teacher: nn.Module,
+    tokens: Tensor,
+    optimizer: torch.optim.Optimizer,
+    config: FinetuneConfig,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One optimiser step of distillation on ``tokens`` [batch, seq]; (loss, KL, CE).
+
+    The teacher's logits without gradients, the student's with, ``distillation_loss``, then
+    zero the old gradients, backpropagate, clip the gradient norm of the optimiser's parameters
+    to ``config.grad_clip`` and step. Both forward passes run under bf16 autocast when
+    ``config.bf16`` says so. ``finetune_`` sets the learning rate before each call.
+    """
+    device = tokens.device
+    with torch.inference_mode(), autocast(config, device):
+        teacher_logits = teacher(tokens)
+    with autocast(config, device):
+        logits = student(tokens)
+    loss, kl, ce = distillation_loss(logits, teacher_logits.clone(), tokens, config)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+    optimizer.step()
+    return loss, kl, ce
+
+
+#: (student, teacher, tokens, optimizer, config) -> (loss, KL, CE): one step of ``finetune_``
+Step = Callable[
+    [Transformer, nn.Module, Tensor, torch.optim.Optimizer, FinetuneConfig],
+    tuple[Tensor | float, Tensor | float, Tensor | float],
+]
+
+
 def native_bf16(device: torch.device | str = "cpu") -> bool:
     """Whether ``device`` multiplies bf16 matrices natively (faster than fp32).
 
@@ -199,56 +233,6 @@ class FinetuneResult:
     seconds: float = 0.0
 
 
-def save_checkpoint(
-    path: Path,
-    step: int,
-    params: dict[str, nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    config: FinetuneConfig,
-    history: list[dict[str, float]],
-) -> None:
-    tensors = {f"param/{n}": p.detach().contiguous() for n, p in params.items()}
-    for n, p in params.items():
-        for key, value in optimizer.state.get(p, {}).items():
-            tensors[f"opt/{key}/{n}"] = torch.as_tensor(value).detach().contiguous()
-    meta = {
-        "step": str(step),
-        "config": json.dumps(dataclasses.asdict(config)),
-        "history": json.dumps(history),
-    }
-    save_tensors_atomic(tensors, path, meta)
-
-
-def load_checkpoint(
-    path: Path,
-    params: dict[str, nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    config: FinetuneConfig,
-) -> tuple[int, list[dict[str, float]]]:
-    """Restore parameters and optimiser state; return (next step, history)."""
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-    saved = json.loads(meta["config"])
-    if saved != dataclasses.asdict(config):
-        changed = sorted(k for k in saved if saved[k] != dataclasses.asdict(config).get(k))
-        raise ValueError(
-            f"The checkpoint {path} was made with other settings ({', '.join(changed)} differ); "
-            "use the same settings to resume, or another checkpoint directory (or resume=False)."
-        )
-    tensors = load_file(str(path))
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(tensors[f"param/{n}"])
-            state = {
-                key.split("/")[1]: t
-                for key, t in tensors.items()
-                if key.endswith(f"/{n}") and key.startswith("opt/")
-            }
-            if state:
-                optimizer.state[p] = state
-    return int(meta["step"]), json.loads(meta["history"])
-
-
 def finetune_(
     student: Transformer,
     teacher: nn.Module,
@@ -259,10 +243,15 @@ def finetune_(
     evaluate: Callable[[Transformer], dict[str, float]] | None = None,
     progress: bool = True,
     until: int | None = None,
+    step: Step = distillation_step,
 ) -> FinetuneResult:
     """Train ``student`` in place to match ``teacher`` on ``train_batches`` [n, seq].
 
     Returns a ``FinetuneResult`` whose ``model`` is ``student`` itself (LoRA merged into it).
+
+    Each step sets the learning rate of the schedule, then calls ``step(student, teacher,
+    tokens, optimizer, config)`` (``distillation_step``; chapter 04 passes the learner's), with
+    ``config.bf16`` resolved to True or False for this device.
 
     ``until`` stops after that many steps (a time budget); the schedule still spans
     ``config.steps``, and a later call with the same checkpoint directory resumes from there.
@@ -292,30 +281,24 @@ def finetune_(
         initial=start,
         total=config.steps,
     )
-    for step in bar:
-        if until is not None and step >= until:
+    resolved = dataclasses.replace(config, bf16=uses_bf16(config, device))
+    for index in bar:
+        if until is not None and index >= until:
             break
-        row = batch_order(train_batches.shape[0], config.batch_size, step, config.seed)
+        row = batch_order(train_batches.shape[0], config.batch_size, index, config.seed)
         tokens = train_batches[row].to(device)
-        with torch.inference_mode(), autocast(config, device):
-            teacher_logits = teacher(tokens)
-        student.train()
-        with recording(student, ("mlp_act",)) as stats, autocast(config, device):
-            logits = student(tokens)
-        loss, kl, ce = distillation_loss(logits, teacher_logits.clone(), tokens, config)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), config.grad_clip)
-        optimizer.step()
+            group["lr"] = lr_at(index, config)
+        student.train()
+        with recording(student, ("mlp_act",)) as stats:
+            loss, kl, ce = step(student, teacher, tokens, optimizer, resolved)
         sparsity = stats.mean(stats.zero_fraction("mlp_act"))
         entry = {
-            "step": step + 1,
-            "loss": loss.item(),
-            "kl": kl.item(),
-            "ce": ce.item(),
-            "lr": lr_at(step, config),
+            "step": index + 1,
+            "loss": torch.as_tensor(loss).item(),  # a tensor or a number, from any step
+            "kl": torch.as_tensor(kl).item(),
+            "ce": torch.as_tensor(ce).item(),
+            "lr": lr_at(index, config),
             "sparsity": sparsity,
         }
         last = entry["step"] in (config.steps, until)
@@ -373,6 +356,7 @@ __all__ = [
     "cpu_info",
     "cpu_name",
     "distillation_loss",
+    "distillation_step",
     "finetune",
     "finetune_",
     "iter_history",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from ..io.cache import cache_dir, save_tensors_atomic
 from ..io.data import corpus, encode
 from ..io.eval import windows
 from ..sparsity import measure
-from .finetune import FinetuneConfig, cpu_name, finetune_, uses_bf16
+from .finetune import FinetuneConfig, Step, cpu_name, distillation_step, finetune_, uses_bf16
 
 STAGES = (1, 2)
 EVAL_WINDOW = 256  # tokens per held-out window that ``sparsity.measure`` scores
@@ -151,6 +152,8 @@ def relufy_and_finetune(
     resume: bool = True,
     progress: bool = True,
     measured: dict[str, dict[str, float]] | None = None,
+    swap: Callable[[Transformer, int], Transformer] = relufy,
+    step: Step = distillation_step,
 ) -> tuple[Transformer, dict[str, Any]]:
     """ReLUfy ``base``, fine-tune it by distillation on the train text, save it; (model, report).
 
@@ -160,7 +163,8 @@ def relufy_and_finetune(
     (``load_relufied`` reads them); its checkpoint makes an interrupted run resumable.
     ``measured`` may hold the ``"dense"`` and ``"swapped"`` results of ``sparsity.measure`` on
     the same ``eval_tokens`` when the caller already has them; they are not measured again.
-    ``base`` is left unchanged.
+    ``base`` is left unchanged. ``swap(base, stage)`` makes the student (``relufy``) and
+    ``step`` trains it one step at a time (``finetune_``'s; chapter 04 passes the learner's).
     """
     check_relufy_arguments(stage, seq_len, eval_tokens)
     if not isinstance(config, FinetuneConfig):
@@ -172,7 +176,7 @@ def relufy_and_finetune(
         )
     train = windows(encode(tokenizer, corpus(split="train")), seq_len)
     eval_ids = encode(tokenizer, corpus(split="eval"))[:eval_tokens]
-    student = relufy(base, stage)
+    student = swap(base, stage)
     report: dict[str, Any] = {
         "stage": stage,
         "config": dataclasses.asdict(config),
@@ -192,6 +196,7 @@ def relufy_and_finetune(
         resume=resume,
         evaluate=lambda m: measure(m, eval_ids),
         progress=progress,
+        step=step,
     )
     report["history"] = result.history
     report["finetuned"] = {k: v for k, v in result.history[-1].items() if k != "step"}

@@ -253,33 +253,48 @@ def attach(layer: nn.Module, site: str, target: SiteStats, n_heads: int):
     return getattr(owner, name).register_forward_hook(hook)
 
 
+#: Makes the summary of one site in one layer from its width: ``SiteStats`` or anything with
+#: ``update(x)`` and ``quantile(q)`` (enough for ``SparsityStats.quantiles`` and ``thresholds_at``).
+MakeStats = Callable[[int], SiteStats]
+
+
 @contextlib.contextmanager
 def recording(
     model: Transformer,
     sites: Sequence[str] = SITES,
     active_above: Mapping[str, float | Sequence[float]] | None = None,
+    stats: MakeStats | None = None,
 ) -> Iterator[SparsityStats]:
     """Update a ``SparsityStats`` with every forward pass of ``model`` run inside the block.
 
     ``active_above[site]``: the magnitude (one, or one per layer) above which a feature counts
-    as active for ``frequency``; default 0 (nonzero).
+    as active for ``frequency``; default 0 (nonzero). ``stats(width)`` makes each summary in
+    place of ``SiteStats`` (chapter 03 passes the class the learner wrote); it takes no
+    ``active_above``.
     """
     sites = check_sites(sites)
     n = len(model.layers)
+    if stats is not None and active_above:
+        raise ValueError(
+            "active_above sets SiteStats' activity threshold; a summary made by `stats` has "
+            "none. Leave one of the two out."
+        )
     limits = {s: per_layer((active_above or {}).get(s, 0.0), n) for s in sites}
-    stats = SparsityStats(
-        {
-            s: [SiteStats(site_width(model, s), active_above=limits[s][i]) for i in range(n)]
-            for s in sites
-        }
-    )
+
+    def make(site: str, layer: int) -> SiteStats:
+        width = site_width(model, site)
+        if stats is None:
+            return SiteStats(width, active_above=limits[site][layer])
+        return stats(width)
+
+    recorded = SparsityStats({s: [make(s, i) for i in range(n)] for s in sites})
     handles = [
-        attach(layer, site, stats.sites[site][i], model.config.n_heads)
+        attach(layer, site, recorded.sites[site][i], model.config.n_heads)
         for i, layer in enumerate(model.layers)
         for site in sites
     ]
     try:
-        yield stats
+        yield recorded
     finally:
         for handle in handles:
             handle.remove()
@@ -293,14 +308,18 @@ def record(
     batch_size: int = 4,
     active_above: Mapping[str, float | Sequence[float]] | None = None,
     progress: bool = True,
+    stats: MakeStats | None = None,
 ) -> SparsityStats:
-    """Run ``token_batches`` [n, seq] through ``model``; summarise the activations at ``sites``."""
+    """Run ``token_batches`` [n, seq] through ``model``; summarise the activations at ``sites``.
+
+    ``stats(width)`` makes each site's summary in place of ``SiteStats`` (see ``recording``).
+    """
     device = next(model.parameters()).device
-    with recording(model, sites, active_above) as stats:
+    with recording(model, sites, active_above, stats) as recorded:
         chunks = token_batches.split(batch_size)
         for chunk in tqdm(chunks, desc="recording", disable=not progress, leave=False):
             model(chunk.to(device))
-    return stats
+    return recorded
 
 
 def measure(model: Transformer, eval_ids: torch.Tensor, seq_len: int = 256) -> dict[str, float]:
