@@ -31,19 +31,6 @@ def test_the_worked_solution_passes(name, seed, capsys):
     assert "correct" in capsys.readouterr().out
 
 
-def no_t_squared(student, teacher, tokens, temperature, kd_weight):
-    """Distillation without the T^2 factor on the KL term."""
-    vocab = student.shape[-1]
-    kl = F.kl_div(
-        torch.log_softmax(student.reshape(-1, vocab) / temperature, -1),
-        torch.log_softmax(teacher.reshape(-1, vocab) / temperature, -1),
-        log_target=True,
-        reduction="batchmean",
-    )
-    ce = F.cross_entropy(student[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-    return kd_weight * kl + (1 - kd_weight) * ce
-
-
 def jaccard(a, b, share):
     """The overlap divided by the union of the two top sets instead of by k."""
     k = max(1, round(share * a.numel()))
@@ -92,9 +79,7 @@ WRONG = {
     "kv_bytes": lambda layers, h, d, s, b: layers * h * d * s * b * 2,  # forgot the values
     "sink_visible": window_one_too_long,
     "paged_slots": lambda table, b, pos: torch.tensor(table)[pos // b] + pos % b,  # no * b
-    "teal_threshold": lambda x, s: float(torch.quantile(x.double(), s)),  # signed, not |x|
     "top_share": lambda v, s: float(v[: round(s * len(v))].sum() / v.sum()),  # not sorted
-    "distillation_loss": no_t_squared,
     "lr_schedule": warmup_from_zero,
     "top_mask": lambda scores, s: solution("top_mask")(scores, 1 - s),  # kept the dropped share
     "drop_heads": lambda x, keep, h: (x.reshape(*x.shape[:-1], -1, h) * keep[..., None, :]).reshape(

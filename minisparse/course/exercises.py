@@ -42,16 +42,6 @@ from .sets_late import CASES as LATE
 __all__ = ["EXERCISES", "TIME_LIMIT", "Exercise", "check"]
 
 
-def _share_at_most(x: Tensor, t: float) -> float:
-    return float((x.abs() <= t).double().mean())
-
-
-def _right_share(args: tuple[Any, ...], got: Any, expected: Any) -> bool:
-    """Any t that leaves the asked share of |x| at or below it."""
-    x, s = args
-    return abs(_share_at_most(x, float(got)) - s) <= 1.0 / len(x) + 1e-9
-
-
 def _same_units_pass(args: tuple[Any, ...], got: Any, expected: Any) -> bool:
     """Any cutoff that lets exactly the reference's units through (logit > cutoff)."""
     logits = args[0]
@@ -130,28 +120,12 @@ _ENTRIES: list[tuple[str, Exercise]] = [
             "number by block_size before adding the offset p % B",
         ),
         _exercise(
-            "teal_threshold", "03",
-            "threshold(x, sparsity) -> t with a share `sparsity` of |x| at or below t",
-            close,
-            "the s-quantile of |x| (magnitudes, not signed values): torch.quantile(x.abs(), s)",
-            _right_share,
-        ),
-        _exercise(
             "top_share", "03",
             "top_share(values [n] >= 0, share) -> the fraction of sum(values) that the "
             "k = round(share * n) largest values carry",
             near,
             "sort descending, sum the first k (k = round(share * n), Python's round), divide by "
             "the total; 0.0 when the total is 0",
-        ),
-        _exercise(
-            "distillation_loss", "04",
-            "distillation_loss(student [b, t, V], teacher [b, t, V], tokens [b, t], T, w) -> "
-            "w T^2 KL(teacher_T || student_T) + (1 - w) CE(student, next tokens)",
-            loose,
-            "KL between the softmaxes at temperature T, summed over the vocabulary, averaged "
-            "over all b*t positions, times T^2; the CE (at T = 1) predicts tokens[:, 1:] from "
-            "the logits of positions 0 .. t-2",
         ),
         _exercise(
             "lr_schedule", "04",

@@ -153,15 +153,6 @@ def _paged_slots(table: list[int], block_size: int, positions: Tensor) -> Tensor
 # --- 03 activation sparsity -------------------------------------------------------------------
 
 
-def _threshold_cases(gen: torch.Generator) -> Cases:
-    sizes, shares = (101, 1000, 4097), (0.1, 0.5, 0.9)
-    return [(torch.randn(n, generator=gen) * 3, s) for n in sizes for s in shares]
-
-
-def _teal_threshold(x: Tensor, sparsity: float) -> float:
-    return float(torch.quantile(x.abs().double(), sparsity))
-
-
 def _top_share_cases(gen: torch.Generator) -> Cases:
     out: Cases = []
     for n, share in ((1, 1.0), (10, 0.2), (101, 0.1), (1000, 0.2), (333, 0.05), (64, 0.0)):
@@ -178,30 +169,6 @@ def _top_share(values: Tensor, share: float) -> float:
 
 
 # --- 04 ReLUfication --------------------------------------------------------------------------
-
-
-def _distillation_cases(gen: torch.Generator) -> Cases:
-    out: Cases = []
-    settings = (((1, 2, 5), 1.0, 0.9), ((2, 5, 11), 2.0, 0.5), ((3, 4, 7), 0.5, 1.0))
-    for (b, t, vocab), temperature, kd_weight in (*settings, ((1, 6, 13), 1.5, 0.0)):
-        student = torch.randn(b, t, vocab, generator=gen) * 2
-        teacher = torch.randn(b, t, vocab, generator=gen) * 2
-        tokens = torch.randint(0, vocab, (b, t), generator=gen)
-        out.append((student, teacher, tokens, temperature, kd_weight))
-    return out
-
-
-def _distillation_loss(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    tokens: Tensor,
-    temperature: float,
-    kd_weight: float,
-) -> Tensor:
-    from ..relufy.finetune import FinetuneConfig, distillation_loss
-
-    config = FinetuneConfig(temperature=temperature, kd_weight=kd_weight)
-    return distillation_loss(student_logits, teacher_logits, tokens, config)[0]
 
 
 def _lr_cases(gen: torch.Generator) -> Cases:
@@ -261,9 +228,7 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[torch.Generator], Cases]]] 
     "kv_bytes": (_kv_bytes, _kv_cases),
     "sink_visible": (_sink_visible, _sink_cases),
     "paged_slots": (_paged_slots, _paged_cases),
-    "teal_threshold": (_teal_threshold, _threshold_cases),
     "top_share": (_top_share, _top_share_cases),
-    "distillation_loss": (_distillation_loss, _distillation_cases),
     "lr_schedule": (_lr_schedule, _lr_cases),
     "top_mask": (_top_mask, _top_mask_cases),
     "drop_heads": (_drop_heads, _drop_heads_cases),
