@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from .grading import (
     EXERCISES,
