@@ -293,6 +293,23 @@ def test_sampling_is_reproducible_with_a_seed(target):
     assert runs[0] == runs[1]
 
 
+def test_given_uniforms_decide_every_draft_and_draw_by_inverse_cdf():
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    q = torch.tensor([[0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    # p/q = 0.8 for token 2: accepted below u = 0.8, else redrawn from max(0, p - q) = [.25, .05]
+    assert S.verify_sampled(p, q, [2], uniforms=torch.tensor([0.79, 0.95])) == (1, 3)
+    assert S.verify_sampled(p, q, [2], uniforms=torch.tensor([0.81, 0.0])) == (0, 0)
+    assert S.verify_sampled(p, q, [2], uniforms=torch.tensor([0.81, 0.9])) == (0, 1)
+    assert S.verify_sampled(p, q, [3], uniforms=torch.tensor([0.0, 0.5])) == (0, 0)  # p(3) = 0
+    assert S.sample_with(p[0], 0.0) == 0 and S.sample_with(p[0], 0.999) == 2  # never token 3
+
+
+def test_stats_count_the_tokens_of_every_pass(target):
+    out, stats = S.speculative_generate(target, None, [4, 5, 6], S.int8_draft(target), 3, 17)
+    assert sum(stats.per_pass) == len(out) == 17 and len(stats.per_pass) == stats.target_calls
+    assert all(1 <= n <= 4 for n in stats.per_pass)
+
+
 # ---- theory vs simulation ----------------------------------------------------------------------
 
 

@@ -42,8 +42,8 @@ The chapter meets five pieces, one module each, all importable from here (and ``
 how the compiled decode step runs a ``LayerSelect``):
 
 1. ``lowrank``: one layer's ``Predictor``, its starts (``init_random``,
-   ``init_compressed_gate``), ``fit``, ``calibrate_cutoff``, ``predict_neurons``,
-   ``predict_heads`` and the ``Scores`` of a prediction (``confusion``);
+   ``init_compressed_gate``), ``fit``, ``calibrate_cutoff`` (with ``recall_cutoff``),
+   ``predict_neurons``, ``predict_heads`` and the ``Scores`` of a prediction (``confusion``);
 2. ``records``: what layers see and what is predicted (``Target``,
    ``prediction_target``, ``LayerRecord``, ``record_layers``);
 3. ``sizing``: ``PredictorConfig`` and the adaptive size (``initial_rank``,
@@ -85,6 +85,7 @@ from .lowrank import (
     predict_heads,
     predict_neurons,
     principal_directions,
+    recall_cutoff,
 )
 from .pipeline import (
     fit_predictors,
@@ -95,11 +96,19 @@ from .pipeline import (
     train_predictors,
 )
 from .records import LayerRecord, Target, prediction_target, record_layers
-from .sizing import PredictorConfig, build_predictor, initial_rank, size_layer
+from .sizing import (
+    CutoffRule,
+    PredictorConfig,
+    TrainLoop,
+    build_predictor,
+    initial_rank,
+    size_layer,
+)
 
 __all__ = [
     "KINDS",
     "META_KEYS",
+    "CutoffRule",
     "LayerRecord",
     "LayerSelect",
     "Predictor",
@@ -108,6 +117,7 @@ __all__ = [
     "Scores",
     "Selection",
     "Target",
+    "TrainLoop",
     "build_predictor",
     "calibrate_cutoff",
     "check_fingerprint",
@@ -130,6 +140,7 @@ __all__ = [
     "prediction_target",
     "principal_directions",
     "read_predictors_file",
+    "recall_cutoff",
     "record_layers",
     "size_layer",
     "train_predictors",

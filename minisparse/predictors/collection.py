@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from ..core.model import Transformer
 from ..io.cache import save_tensors_atomic
 from ..sparsity.contextual import keep_count, top_k_mask
-from .lowrank import KINDS, Predictor, confusion, fit, init_random, predict_heads, predict_neurons
+from .lowrank import KINDS, Predictor, confusion, init_random, predict_heads, predict_neurons
 from .records import LayerRecord, record_layers
 from .sizing import PredictorConfig
 
@@ -130,7 +130,8 @@ class Predictors:
             p = init_random(Predictor(c.dim, config.head_rank, c.n_heads, config.kind), config.seed)
             p.to(r.attn_in.device)
             epochs, batch = config.head_epochs, config.batch_size
-            self.heads.append(fit(p, r.attn_in, y, epochs, batch, config.lr, 1.0, config.seed))
+            p = config.train_loop(p, r.attn_in, y, epochs, batch, config.lr, 1.0, config.seed)
+            self.heads.append(p.eval().requires_grad_(False))
         return self
 
     def evaluate(self, model: Transformer, windows: Tensor, batch_size: int = 4) -> dict[str, Any]:

@@ -36,6 +36,7 @@ GPU" (2023).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ __all__ = [
     "predict_heads",
     "predict_neurons",
     "principal_directions",
+    "recall_cutoff",
 ]
 
 KINDS = ("lowrank", "mlp")
@@ -169,24 +171,37 @@ def fit(
     return predictor.eval().requires_grad_(False)
 
 
+def recall_cutoff(logits: Tensor, active: Tensor, recall: float) -> float:
+    """The highest cutoff c with a share ``recall`` of the active units' logits above it.
+
+    Units pass when logit > c. Of the N active units, k = int((1 - recall) N) may be missed:
+    c is the k-th smallest of their logits, or just below the smallest (min - 1e-6) when
+    k = 0 (every active unit must pass); inf when no unit is active (predict nothing).
+    """
+    positives = logits[active].float()
+    if positives.numel() == 0:
+        return float("inf")
+    k = int((1 - recall) * positives.numel()) if recall < 1.0 else 0
+    if k == 0:
+        return float(positives.min()) - 1e-6
+    return float(positives.kthvalue(k).values)
+
+
 @torch.no_grad()
-def calibrate_cutoff(predictor: Predictor, x: Tensor, active: Tensor, recall: float) -> Predictor:
+def calibrate_cutoff(
+    predictor: Predictor,
+    x: Tensor,
+    active: Tensor,
+    recall: float,
+    rule: Callable[[Tensor, Tensor, float], float] = recall_cutoff,
+) -> Predictor:
     """Set the logit cutoff so that a share ``recall`` of the active units in (x, active) pass.
 
-    The cutoff is the (1 - recall)-quantile of the logits of the truly active units: a lower
-    cutoff finds more of them and also lets more inactive units through (lower precision).
+    The cutoff is the (1 - recall)-quantile of the logits of the truly active units
+    (``rule``, by default ``recall_cutoff``): a lower cutoff finds more of them and also lets
+    more inactive units through (lower precision).
     """
-    positives = predictor(x)[active].float()
-    if positives.numel() == 0:  # nothing active: predict nothing
-        predictor.cutoff.fill_(float("inf"))
-    elif recall >= 1.0:  # every active unit: just below the smallest of their logits
-        predictor.cutoff.fill_(float(positives.min()) - 1e-6)
-    else:  # units pass when logit > cutoff: drop the k lowest, k <= (1 - recall) * N
-        k = int((1 - recall) * positives.numel())
-        if k == 0:
-            predictor.cutoff.fill_(float(positives.min()) - 1e-6)
-        else:
-            predictor.cutoff.fill_(float(positives.kthvalue(k).values))
+    predictor.cutoff.fill_(float(rule(predictor(x), active, recall)))
     return predictor
 
 

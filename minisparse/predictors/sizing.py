@@ -14,7 +14,10 @@ active neurons has fewer to find. Here, per layer:
 3. call the rank *enough* when its predicted sparsity reaches ``min_efficiency`` times the true
    sparsity; walk down the ladder while enough, up while not; keep the smallest enough rank.
 
-``PredictorConfig`` holds every choice (kind, recall target, ladder, start, training).
+``PredictorConfig`` holds every choice (kind, recall target, ladder, start, training), and the
+two functions the pipeline runs for every predictor: the training loop (``train_loop``, by
+default ``lowrank.fit``) and the cutoff rule (``cutoff_rule``, by default
+``lowrank.recall_cutoff``), so that another loop or rule can be put in their place.
 
 References: Song et al., "PowerInfer: Fast Large Language Model Serving with a Consumer-grade
 GPU" (2023); Liu et al., "Deja Vu: Contextual Sparsity for Efficient LLMs at Inference Time"
@@ -24,7 +27,7 @@ GPU" (2023); Liu et al., "Deja Vu: Contextual Sparsity for Efficient LLMs at Inf
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from torch import Tensor
@@ -41,9 +44,22 @@ from .lowrank import (
     init_random,
     predict_neurons,
     principal_directions,
+    recall_cutoff,
 )
 
-__all__ = ["PredictorConfig", "build_predictor", "initial_rank", "size_layer"]
+__all__ = [
+    "CutoffRule",
+    "PredictorConfig",
+    "TrainLoop",
+    "build_predictor",
+    "initial_rank",
+    "size_layer",
+]
+
+#: (predictor, x, y, epochs, batch_size, lr, pos_weight, seed) -> the trained predictor
+TrainLoop = Callable[[Predictor, Tensor, Tensor, int, int, float, float, int], Predictor]
+#: (logits, active, recall) -> the cutoff
+CutoffRule = Callable[[Tensor, Tensor, float], float]
 
 
 @dataclass
@@ -65,6 +81,8 @@ class PredictorConfig:
     head_sparsity: float = 0.0  # > 0: also train head predictors keeping 1 - s of the heads
     head_rank: int = 32
     head_epochs: int = 4
+    train_loop: TrainLoop = fit  # how every predictor is trained (neurons and heads)
+    cutoff_rule: CutoffRule = recall_cutoff  # how every neuron predictor's cutoff is set
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -113,8 +131,10 @@ def build_predictor(
     else:
         init_random(p, config.seed)  # seeded on the CPU, the same on every device
     p.to(x.device)
-    fit(p, x, y, config.epochs, config.batch_size, config.lr, config.pos_weight, config.seed)
-    calibrate_cutoff(p, x_val, y_val, config.target_recall)
+    train = config.train_loop
+    p = train(p, x, y, config.epochs, config.batch_size, config.lr, config.pos_weight, config.seed)
+    p.eval().requires_grad_(False)
+    calibrate_cutoff(p, x_val, y_val, config.target_recall, config.cutoff_rule)
     return p, confusion(predict_neurons(p, x_val), y_val)
 
 

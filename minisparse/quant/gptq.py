@@ -41,8 +41,9 @@ from .tensor import QuantizedTensor, QuantSpec, code_dtype, quant_params, round_
 
 
 def hessian(x: Tensor) -> Tensor:
-    """H = X^T X [in, in] (float32) of calibration rows ``x`` [n, in]."""
-    x = x.reshape(-1, x.shape[-1]).float()
+    """H = X^T X [in, in] of calibration rows ``x`` [n, in] (float32; float64 if ``x`` is)."""
+    x = x.reshape(-1, x.shape[-1])
+    x = x if x.dtype == torch.float64 else x.float()
     return x.T @ x
 
 
@@ -70,11 +71,13 @@ def gptq_quantize(
 ) -> QuantizedTensor:
     """GPTQ codes for ``w`` [rows, cols] given the Hessian ``h`` [cols, cols] of its inputs.
 
-    The loop runs on W^T, so that column i of W is a contiguous row of memory.
+    The loop runs on W^T, so that column i of W is a contiguous row of memory. It runs in
+    float32, or in float64 when ``w`` is float64 (for exact comparisons).
     """
-    w_t = w.detach().t().float().clone(memory_format=torch.contiguous_format)  # [cols, rows]
+    dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
+    w_t = w.detach().t().to(dtype).clone(memory_format=torch.contiguous_format)  # [cols, rows]
     cols, rows = w_t.shape
-    h = h.float().clone()
+    h = h.to(dtype).clone()
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     w_t[dead] = 0.0
@@ -117,6 +120,16 @@ def output_error(x: Tensor, w: Tensor, w_hat: Tensor) -> float:
     return float((x @ (w.float() - w_hat.float()).T).pow(2).sum())
 
 
+def quantize_matrix(w: Tensor, x: Tensor, h: Tensor | None, config: QuantConfig) -> QuantizedTensor:
+    """GPTQ of one matrix: ``gptq_quantize`` on the Hessian ``h`` of the inputs ``x``, or the
+    options' own ``gptq_fn`` on ``x`` when one is set."""
+    options = config.options
+    if options.gptq_fn is not None:
+        return options.gptq_fn(w, x, config.weight_spec, options.gptq_damp)
+    assert h is not None
+    return gptq_quantize(w, h, config.weight_spec, options.gptq_damp, options.gptq_block)
+
+
 def gptq_layer(
     layer: nn.Module, groups: Sequence[LinearGroup], inputs: dict[str, Tensor], config: QuantConfig
 ) -> dict[str, QuantizedTensor]:
@@ -126,20 +139,16 @@ def gptq_layer(
     the rows of W independently, their rows are stacked and quantized in one pass (per tensor,
     where each layer has its own scale, they go one by one).
     """
-    spec = config.weight_spec
     out = {}
     for group in groups:
-        h = hessian(inputs[group.name])
+        x = inputs[group.name]
+        h = hessian(x) if config.options.gptq_fn is None else None
         weights = [layer.get_submodule(name).weight.detach() for name in group.linears]
-        if spec.per_tensor:
+        if config.weight_spec.per_tensor:
             for name, w in zip(group.linears, weights, strict=True):
-                out[name] = gptq_quantize(
-                    w, h, spec, config.options.gptq_damp, config.options.gptq_block
-                )
+                out[name] = quantize_matrix(w, x, h, config)
             continue
-        qt = gptq_quantize(
-            torch.cat(weights), h, spec, config.options.gptq_damp, config.options.gptq_block
-        )
+        qt = quantize_matrix(torch.cat(weights), x, h, config)
         start = 0
         for name, w in zip(group.linears, weights, strict=True):
             out[name] = qt.rows(start, start + w.shape[0])
@@ -162,4 +171,5 @@ __all__ = [
     "hessian",
     "inverse_hessian_factor",
     "output_error",
+    "quantize_matrix",
 ]

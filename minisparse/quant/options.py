@@ -8,7 +8,9 @@ that owns it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["AWQOptions", "GPTQOptions", "SmoothQuantOptions"]
 
@@ -26,11 +28,13 @@ class SmoothQuantOptions:
 
 @dataclass(frozen=True)
 class AWQOptions:
-    """AWQ's own settings: α searched on {0, 1/n, ..., (n-1)/n} (the paper: n = 20), and
-    whether to search a clipping ratio per layer."""
+    """AWQ's own settings: α searched on {0, 1/n, ..., (n-1)/n} (the paper: n = 20), whether
+    to search a clipping ratio per layer, and the search itself (None: ``smoothing.awq_search``;
+    a function with its signature, e.g. the course's learner's version)."""
 
     awq_grid: int = 20
     awq_clip: bool = True
+    awq_search_fn: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -45,11 +49,14 @@ class AWQOptions:
 
 @dataclass(frozen=True)
 class GPTQOptions:
-    """GPTQ's own settings: the damping λ = damp · mean(diag H) (the paper: 0.01) and the
-    columns updated together (128)."""
+    """GPTQ's own settings: the damping λ = damp · mean(diag H) (the paper: 0.01), the
+    columns updated together (128), and the quantizer of one matrix (None: ``gptq_quantize``
+    on ``hessian(x)``; else ``gptq_fn(w, x, spec, damp) -> QuantizedTensor`` from the
+    calibration inputs x, e.g. the course's learner's version)."""
 
     gptq_damp: float = 0.01
     gptq_block: int = 128
+    gptq_fn: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.gptq_damp > 0:

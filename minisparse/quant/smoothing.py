@@ -215,11 +215,13 @@ def awq_search(
     """s = mean|x|^α / sqrt(max · min) for the α in the grid with the smallest output error.
 
     The error is the mean of (x · (w - ŵ))^2 over all rows of ``x`` and of the weights,
-    computed from H = X^T X (``output_error``).
+    computed from H = X^T X (``output_error``). It runs in float32, or in float64 when ``x`` is
+    float64 (for exact comparisons).
     """
-    x = x.reshape(-1, x.shape[-1]).float()
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.reshape(-1, x.shape[-1]).to(dtype)
     h = x.T @ x
-    w = torch.cat(list(weights)).float()
+    w = torch.cat(list(weights)).to(dtype)
     x_mean = to_prev_channels(group, x.abs().mean(0), reduce="mean")
     alphas = [i / n_grid for i in range(n_grid)]
     losses: list[float] = []
@@ -228,7 +230,7 @@ def awq_search(
         s = x_mean.pow(alpha).clamp_min(1e-4)
         s = s / (s.max() * s.min()).sqrt()
         cols = to_input_channels(group, s)[None, :]
-        w_hat = torch.cat([fake_quantize(wi.float() * cols, spec) / cols for wi in weights])
+        w_hat = torch.cat([fake_quantize(wi.to(dtype) * cols, spec) / cols for wi in weights])
         losses.append(float(output_error(w - w_hat, h, x.shape[0])))
         if losses[-1] <= min(losses):
             best = s
@@ -267,8 +269,9 @@ def awq_scales(
 ) -> dict[str, Tensor]:
     """AWQ's scale for each group of a layer, searched on the layer as it is (none applied)."""
     spec = config.weight_spec
+    search = config.options.awq_search_fn or awq_search
     return {
-        group.name: awq_search(
+        group.name: search(
             inputs[group.name],
             group_weights(layer, group),
             group,

@@ -16,7 +16,10 @@ projections read (chapter 03's sites):
     neuron j of the MLP:   |h_j|,  h = act(W_gate x) * (W_up x)   (the down projection's input)
     attention head i:      ||o_i||_2, the head's output            (its slice of W_o's input)
 
-A kept unit computes exactly as in the dense model; a dropped one contributes zero. Quality is
+A kept unit computes exactly as in the dense model; a dropped one contributes zero. Which units
+pass 1 keeps is an ``Oracle``: by default ``ScoreOracle`` (``record_scores``, ``oracle_masks``);
+``sparsity.oracle.ActivationOracle`` computes each layer's masks from its activations with
+functions that can be swapped. Quality is
 the held-out perplexity and the *agreement*: the share of positions where the masked model's
 most likely next token equals the dense model's. The oracle is not a method (pass 1 costs a
 dense pass); it bounds what a predictor of the sets (chapter 06) can reach.
@@ -34,6 +37,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +159,26 @@ def oracle_masks(scores: UnitScores | StaticScores, setting: Setting) -> Masks:
     return Masks(neurons, heads)
 
 
+class Oracle(Protocol):
+    """Pass 1 of a contextual oracle: what it records in the dense pass, and the masks it keeps."""
+
+    def record(self, model: Transformer, tokens: Tensor) -> tuple[Tensor, Any]: ...
+
+    def masks(self, model: Transformer, recorded: Any, setting: Setting) -> Masks: ...
+
+
+class ScoreOracle:
+    """DejaVu's oracle as ``oracle_quality`` runs it by default: ``record_scores``, then
+    ``oracle_masks`` (``sparsity.oracle.ActivationOracle`` computes the masks from each layer's
+    activations with given functions instead)."""
+
+    def record(self, model: Transformer, tokens: Tensor) -> tuple[Tensor, UnitScores]:
+        return record_scores(model, tokens)
+
+    def masks(self, model: Transformer, recorded: UnitScores, setting: Setting) -> Masks:
+        return oracle_masks(recorded, setting)
+
+
 def drop_heads(x: Tensor, keep: Tensor, n_heads: int) -> Tensor:
     """Zero the heads not in ``keep`` [..., n_heads] of an attention output x [..., heads * d]."""
     heads = x.view(*x.shape[:-1], n_heads, -1) * keep.to(x.device, x.dtype)[..., None]
@@ -237,27 +261,32 @@ def oracle_quality(
     static: StaticScores | None = None,
     batch_size: int = 4,
     progress: bool = True,
+    oracle: Oracle | None = None,
 ) -> list[Quality]:
     """Perplexity and agreement with dense for each setting, on ``windows`` [n, seq].
 
     One dense pass per batch (pass 1) serves every setting; each setting then costs one masked
     pass. Static settings need ``static`` (``static_scores`` on calibration text, not on
-    ``windows``).
+    ``windows``). ``oracle`` chooses the contextual masks (default ``ScoreOracle``).
     """
     if any(s.static for s in settings) and static is None:
         raise ValueError("Static settings need static=static_scores(model, calibration_windows).")
+    oracle = ScoreOracle() if oracle is None else oracle
     device = next(model.parameters()).device
     dense, tallies = Tally(), {s: Tally() for s in settings}
     batches = windows.split(batch_size)
     bar = tqdm(total=len(batches) * (1 + len(settings)), desc="oracle", disable=not progress)
     for tokens in batches:
         tokens = tokens.to(device)
-        logits, scores = record_scores(model, tokens)
+        logits, recorded = oracle.record(model, tokens)
         reference = logits[:, :-1].argmax(-1)
         dense.add(logits, tokens, reference)
         bar.update()
         for s in settings:
-            masks = oracle_masks(static if s.static else scores, s)  # type: ignore[arg-type]
+            if s.static and static is not None:
+                masks = oracle_masks(static, s)
+            else:
+                masks = oracle.masks(model, recorded, s)
             with masks_applied(model, masks):
                 tallies[s].add(model(tokens), tokens, reference)
             bar.update()
@@ -319,7 +348,9 @@ def layer_similarity(model: Transformer, tokens: Tensor) -> dict[str, list[float
 
 __all__ = [
     "Masks",
+    "Oracle",
     "Quality",
+    "ScoreOracle",
     "Setting",
     "StaticScores",
     "Tally",

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +76,7 @@ from .sampling import (
     emitted_distribution,
     point_mass,
     residual_distribution,
+    sample_with,
 )
 from .theory import (
     best_gamma,
@@ -111,6 +112,7 @@ def verify_sampled(
     draft_probs: Tensor | None,
     draft_tokens: Sequence[int],
     generator: torch.Generator | None = None,
+    uniforms: Tensor | None = None,
 ) -> tuple[int, int]:
     """Speculative sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)).
 
@@ -118,16 +120,29 @@ def verify_sampled(
     for a deterministic draft, i.e. point masses). At the first rejection the next token is
     drawn from ``residual_distribution(p_i, q_i)``; after k acceptances from p_{k+1}.
     Returns (n_accepted, next_token).
+
+    ``uniforms`` [k + 1], when given, are the random numbers instead of ``generator``: u_i
+    decides draft i (accepted when u_i q_i(d_i) < p_i(d_i)) and u_{k+1} draws the next token
+    by inverse CDF (``sample_with``), so the same uniforms give the same result.
     """
     for i, token in enumerate(draft_tokens):
         p = target_probs[i]
         q = point_mass(token, p) if draft_probs is None else draft_probs[i]
-        u = torch.rand((), generator=generator, device=p.device)
+        u = (
+            uniforms[i]
+            if uniforms is not None
+            else torch.rand((), generator=generator, device=p.device)
+        )
         if u * q[token] < p[token]:  # u < p/q without dividing (q[token] > 0: it was drawn)
             continue
-        return i, int(torch.multinomial(residual_distribution(p, q), 1, generator=generator))
-    last = target_probs[len(draft_tokens)]
-    return len(draft_tokens), int(torch.multinomial(last, 1, generator=generator))
+        return i, _draw(residual_distribution(p, q), generator, uniforms)
+    return len(draft_tokens), _draw(target_probs[len(draft_tokens)], generator, uniforms)
+
+
+def _draw(probs: Tensor, generator: torch.Generator | None, uniforms: Tensor | None) -> int:
+    if uniforms is None:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    return sample_with(probs, uniforms[-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,6 +163,7 @@ class SpeculativeStats:
     seconds: float = 0.0
     target_seconds: float = 0.0  # prefill + verification passes
     draft_seconds: float = 0.0
+    per_pass: list[int] = field(default_factory=list)  # new tokens of each verification pass
 
     @property
     def alpha(self) -> float:
@@ -250,6 +266,7 @@ def speculative_generate(
                 new = new[: i + 1]
                 break
         out += new
+        stats.per_pass.append(len(new))
         ids = ids + new
         if out[-1] in stops:
             break
@@ -280,6 +297,7 @@ __all__ = [
     "point_mass",
     "prompt_lookup_draft",
     "residual_distribution",
+    "sample_with",
     "sparse_draft",
     "speculative_generate",
     "teacher_forced_alpha",

@@ -75,6 +75,15 @@ def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
     return r / total if total > 0 else p
 
 
+def sample_with(probs: Tensor, u: Tensor | float) -> int:
+    """The token that the uniform number ``u`` in [0, 1) picks from ``probs`` [vocab] (inverse
+    CDF): the smallest x with Σ_{y <= x} probs(y) > u · Σ probs. The same ``u``, the same token;
+    a token of probability 0 is never picked."""
+    cdf = probs.cumsum(-1)
+    target = torch.as_tensor(u, dtype=cdf.dtype, device=cdf.device) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, target[None], right=True)), probs.shape[-1] - 1)
+
+
 def acceptance_probability(p: Tensor, q: Tensor) -> Tensor:
     """β = Σ_x min(p(x), q(x)) = 1 − TV(p, q): the chance a draft from q is accepted under p."""
     return torch.minimum(p, q).sum(-1)
@@ -97,4 +106,5 @@ __all__ = [
     "emitted_distribution",
     "point_mass",
     "residual_distribution",
+    "sample_with",
 ]

@@ -13,8 +13,8 @@ library's from the same start and compares the trained predictors' logits on the
 float rounding (a loss written out by hand instead of ``binary_cross_entropy_with_logits``
 lands within 1e-6), while a missing weight, gradients left to accumulate, a schedule stepped per
 epoch, a dropped last batch or a generator seeded again every epoch (one order for all) move
-them far more. Cases: both predictor kinds, token counts that are not a multiple of the batch, one short
-batch, no epoch at all, sets with no active unit.
+them far more. Cases: both predictor kinds, token counts that are not a multiple of the batch,
+one short batch, no epoch at all, sets with no active unit.
 
 ``cutoff_for_recall(logits, active, recall)`` is the cutoff each layer's predictor gets on
 held-out tokens (``predictors.recall_cutoff``): units pass when logit > c, and c is the highest
