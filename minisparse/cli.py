@@ -225,7 +225,8 @@ def cmd_predictors(args: argparse.Namespace) -> int:
     predictors.save(out)
     print(f"saved: {out}")
     if args.report:
-        report = {"model": target.description, "config": vars(config), **scores}
+        settings = {k: v for k, v in vars(config).items() if not callable(v)}  # not the loop
+        report = {"model": target.description, "config": settings, **scores}
         Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
