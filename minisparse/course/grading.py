@@ -211,6 +211,20 @@ def near(a: Any, b: Any) -> bool:
     )
 
 
+def keeps_top(scores: Tensor, got: Any, k: int | Tensor) -> bool:
+    """A bool mask of ``scores``' shape that keeps k per row (last axis) and drops no score
+    above a kept one: any top-k set is right where scores tie (1e-5 of the row's largest as
+    slack, float64 scores)."""
+    if not isinstance(got, Tensor) or got.dtype != torch.bool or got.shape != scores.shape:
+        return False
+    if not bool((got.sum(-1) == k).all()):
+        return False
+    kept = torch.where(got, scores, torch.inf).amin(-1)
+    dropped = torch.where(got, -torch.inf, scores).amax(-1)
+    slack = 1e-5 * scores.abs().amax(-1) + 1e-12
+    return bool((kept >= dropped - slack).all())
+
+
 def exercise(name: str) -> Exercise:
     """The registered exercise ``name``, or one error that lists them all (importing
     ``minisparse.course`` registers every chapter's exercises and builds)."""
