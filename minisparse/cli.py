@@ -241,6 +241,7 @@ CHAPTER_BENCHMARKS = {
     "engine": ("engine", "the engine's configurations: speed, perplexity, memory (chapter 11)"),
     "sparse-decode": ("sparse_decode", "dense vs sparse decode speed and the bytes ceiling"),
     "isa": ("isa", "the decode step built for each instruction set (-march) side by side"),
+    "nm-decode": ("pruned", "dense vs 2:4 sparse decode speed and the bytes ceiling (ch. 12)"),
 }
 
 

@@ -24,12 +24,17 @@ enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 
 /* A weight matrix: float32 rows (scale NULL), int8 codes with float32 scales, or (q4 = 1)
    4-bit blocks of 32 weights (matvec.h). in_stride > 0: a float32 transpose, one row per
-   input, rows in_stride floats apart, read only at non-zero inputs. */
+   input, rows in_stride floats apart, read only at non-zero inputs. nm_pos != NULL: a 2:4
+   sparse matrix (chapter 12's NMLinear): data holds the 2 kept values of every 4 inputs
+   [rows, cols / 2] (float32, or int8 codes when scale is set), nm_pos their positions 0..3
+   within their group, 2 bits each, 4 to a byte [rows, ceil(cols / 8)], the first value in
+   the lowest bits. */
 typedef struct {
     const void* data;
     const float* scale;
     int64_t in_stride;
     int64_t q4;
+    const uint8_t* nm_pos;
 } Mat;
 
 /* What a projection's input goes through first: a ReLU and/or a magnitude threshold
@@ -80,7 +85,7 @@ typedef struct {
 int64_t abi_layout(int64_t* out, int64_t n) {
     const int64_t v[] = {
         sizeof(Mat), offsetof(Mat, data), offsetof(Mat, scale), offsetof(Mat, in_stride),
-        offsetof(Mat, q4),
+        offsetof(Mat, q4), offsetof(Mat, nm_pos),
         sizeof(Slot), offsetof(Slot, relu), offsetof(Slot, threshold),
         sizeof(AttnLayer), offsetof(AttnLayer, dim), offsetof(AttnLayer, n_heads),
         offsetof(AttnLayer, n_kv_heads), offsetof(AttnLayer, head_dim),

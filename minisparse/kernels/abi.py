@@ -7,9 +7,10 @@ ctypes computes them, and ``tests/test_kernels_setup.py`` checks that the two ag
 added on one side only fails that test instead of reading the wrong bytes.
 
 The structs are what the compiled decode step reads (``minisparse.runtime``): a matrix is a
-pointer with its element type (float32; int8 codes with float32 scales; or 4-bit blocks of 32
-weights with their own scale and zero), an activation slot is a ReLU flag and a threshold, and a
-block half is the pointers of its norm, projections and biases.
+pointer with its element type (float32; int8 codes with float32 scales; 4-bit blocks of 32
+weights with their own scale and zero; or 2:4 kept values with their packed positions), an
+activation slot is a ReLU flag and a threshold, and a block half is the pointers of its norm,
+projections and biases.
 """
 
 from __future__ import annotations
@@ -45,9 +46,17 @@ class Mat(ctypes.Structure):
     """A weight matrix for C: float32 data (scale NULL), int8 codes and float32 scales, or
     (``q4`` = 1) an ``Int4Linear``'s 4-bit blocks; ``in_stride`` > 0: a float32 transpose, one
     row per input, rows ``in_stride`` floats apart (bundled with the other projections of the
-    same input), read only at non-zero inputs."""
+    same input), read only at non-zero inputs. ``nm_pos`` set: a 2:4 sparse matrix
+    (``NMLinear``): ``data`` the kept values [out, in / 2] (float32, or int8 codes with
+    ``scale``), ``nm_pos`` their 2-bit positions, 4 to a byte [out, ceil(in / 8)]."""
 
-    _fields_ = [("data", _ptr), ("scale", _ptr), ("in_stride", _i64), ("q4", _i64)]
+    _fields_ = [
+        ("data", _ptr),
+        ("scale", _ptr),
+        ("in_stride", _i64),
+        ("q4", _i64),
+        ("nm_pos", _ptr),
+    ]
 
 
 class Slot(ctypes.Structure):

@@ -3,8 +3,10 @@ activation sparsity of chapters 03-08.
 
 The package's face: every public name of its modules, importable from here."""
 
-from . import masks, scores
+from . import lowering as lowering  # registers NMLinear with the compiled decode step
+from . import masks, nm_linear, scores
 from .masks import *  # noqa: F403
+from .nm_linear import *  # noqa: F403
 from .scores import *  # noqa: F403
 
-__all__ = [*masks.__all__, *scores.__all__]
+__all__ = [*masks.__all__, *scores.__all__, *nm_linear.__all__]
