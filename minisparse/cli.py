@@ -347,7 +347,7 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--model", default="smollm2-135m", help="as for the other commands")
     offload_report.add_arguments(p)
     p.set_defaults(func=offload_report.run)
-
+    importlib.import_module("minisparse.pruning.sweep").add_prune_command(sub, common)
     p = sub.add_parser(
         "export", help="write the model for transformers (hf) or llama.cpp (gguf)", parents=[common]
     )

@@ -14,7 +14,8 @@ here:
 * ``calibrate_layers``: the loop. Each decoder layer is measured on the outputs of the layers
   before it *after* their quantization (as GPTQ and AWQ do), handed to a method's layer
   function, and its new weights installed (``install``: fake-quantized float32, activation
-  quantization, or packed int8/int4 layers).
+  quantization, or packed int8/int4 layers). The loop itself, without the installing, is
+  ``sequential_layers``; weight pruning (``minisparse.pruning``) runs it too.
 """
 
 from __future__ import annotations
@@ -249,6 +250,34 @@ LayerHandler = Callable[
 ]
 
 
+#: Changes one decoder layer in place, given its groups and each group's input rows.
+LayerVisitor = Callable[[nn.Module, list[LinearGroup], dict[str, Tensor]], None]
+
+
+def sequential_layers(
+    model: Transformer,
+    tokens: Tensor,
+    visit: LayerVisitor,
+    desc: str = "layers",
+    progress: bool = True,
+) -> None:
+    """Run ``visit`` on every layer in turn, on the hidden states of the layers before it.
+
+    Layer l sees the calibration tokens as transformed by layers 0..l-1 *after* ``visit``
+    changed them, so it can correct for their errors (GPTQ, AWQ, SparseGPT and Wanda do the
+    same). The hidden states of all calibration tokens are kept at one layer boundary only.
+    """
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    x = model.embed(tokens)
+    cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
+    cos, sin = cos * model.rope_scale, sin * model.rope_scale
+    groups = block_groups(model)
+    for layer in tqdm(model.layers, desc=desc, disable=not progress):
+        inputs = group_inputs(layer, groups, lambda: layer(x, cos, sin, positions, None))  # noqa: B023
+        visit(layer, groups, inputs)
+        x = layer(x, cos, sin, positions, None)
+
+
 def calibrate_layers(
     model: Transformer,
     tokens: Tensor,
@@ -256,28 +285,21 @@ def calibrate_layers(
     config: QuantConfig,
     progress: bool = True,
 ) -> None:
-    """Run ``handle_layer`` on every layer in turn, on the hidden states of the layers before it.
+    """``sequential_layers`` installing what ``handle_layer`` returns: each layer is quantized
+    on the outputs of the layers before it after their quantization."""
 
-    Layer l sees the calibration tokens as transformed by layers 0..l-1 *after* their
-    quantization, so it can correct for their errors (GPTQ and AWQ do the same). The hidden
-    states of all calibration tokens are kept at one layer boundary only.
-    """
-    positions = torch.arange(tokens.shape[1], device=tokens.device)
-    x = model.embed(tokens)
-    cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
-    cos, sin = cos * model.rope_scale, sin * model.rope_scale
-    groups = block_groups(model)
-    for layer in tqdm(model.layers, desc=config.label(), disable=not progress):
-        inputs = group_inputs(layer, groups, lambda: layer(x, cos, sin, positions, None))  # noqa: B023
+    def visit(layer: nn.Module, groups: list[LinearGroup], inputs: dict[str, Tensor]) -> None:
         for name, qt in handle_layer(layer, groups, inputs).items():
             install(layer, name, qt, config)
-        x = layer(x, cos, sin, positions, None)
+
+    sequential_layers(model, tokens, visit, config.label(), progress)
 
 
 __all__ = [
     "QUANT_METHODS",
     "LayerFn",
     "LayerHandler",
+    "LayerVisitor",
     "LinearGroup",
     "NoOptions",
     "QuantConfig",
@@ -289,4 +311,5 @@ __all__ = [
     "install",
     "quant_method",
     "register_quant_method",
+    "sequential_layers",
 ]
