@@ -309,7 +309,7 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     p.add_argument("--save-dir", default=None, help="where results go (default: the cache)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.set_defaults(func=cmd_relufy)
-
+    importlib.import_module("minisparse.peft.recover").add_command(sub, common)
     p = sub.add_parser(
         "predictors", help="train per-layer sparsity predictors and save them", parents=[common]
     )

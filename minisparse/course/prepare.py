@@ -84,6 +84,18 @@ def _read_predictors(path: Path) -> object:
     return read_predictors_file(path)
 
 
+def _recovered_adapters() -> Path:
+    from ..peft.recover import adapters_path
+
+    return adapters_path()
+
+
+def _read_adapters(path: Path) -> object:
+    from ..peft.recover import read_adapters
+
+    return read_adapters(path)
+
+
 ARTIFACTS = (
     Artifact(
         "ReLU model (chapter 04)",
@@ -100,6 +112,14 @@ ARTIFACTS = (
         3.0,
         "chapter 11, minisparse bench engine",
         _read_predictors,
+    ),
+    Artifact(
+        "QLoRA adapters of the 2:4-pruned model (chapter 12)",
+        _recovered_adapters,
+        ("recover",),
+        8.0,
+        "chapter 12 (peft.load_recovered)",
+        _read_adapters,
     ),
 )
 

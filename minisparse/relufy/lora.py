@@ -18,12 +18,14 @@ gate, up, down of the MLP) in a ``LoRALinear``; ``minisparse.relufy.finetune`` t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.checks import check_count, check_positive
+from ..core.layers import Linear
 from ..core.model import Transformer
 
 __all__ = [
@@ -31,9 +33,11 @@ __all__ = [
     "LoRALinear",
     "add_lora",
     "add_lora_",
+    "check_targets",
     "lora_weight_names",
     "merge_lora",
     "merge_lora_",
+    "plain_linear",
 ]
 
 
@@ -41,9 +45,13 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class LoRALinear(nn.Module):
-    """base(x) + (alpha / r) B A x with a frozen ``base`` and trainable A [r, in], B [out, r]."""
+    """base(x) + (alpha / r) B A x with a frozen ``base`` and trainable A [r, in], B [out, r].
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, seed: int = 0) -> None:
+    ``base`` is an ``nn.Linear``, or any module with ``in_features``, ``out_features`` and a
+    ``weight`` [out, in] it computes with (a quantized layer whose ``weight`` dequantizes).
+    """
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, seed: int = 0) -> None:
         super().__init__()
         self.base, self.scale = base, alpha / rank
         gen = torch.Generator().manual_seed(seed)
@@ -57,20 +65,52 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:
-        """``base`` with B A folded into its weight (in place)."""
-        self.base.weight += (self.B @ self.A) * self.scale
-        return self.base
+        """``base`` with B A folded into its weight (in place); a base that is not an
+        ``nn.Linear`` becomes a plain ``Linear`` holding its ``weight`` first."""
+        base = self.base if isinstance(self.base, nn.Linear) else plain_linear(self.base)
+        base.weight += (self.B @ self.A) * self.scale
+        return base
 
 
-def add_lora_(model: Transformer, rank: int, alpha: float, seed: int = 0) -> Transformer:
-    """Wrap every block projection in a ``LoRALinear``; in place, returns ``model``."""
+@torch.no_grad()
+def plain_linear(module: nn.Module) -> Linear:
+    """A float ``Linear`` with the ``weight`` (and ``bias``) that ``module`` computes with."""
+    weight = module.weight.detach()
+    bias = getattr(module, "bias", None)
+    linear = Linear(module.in_features, module.out_features, bias=bias is not None)
+    linear.to(device=weight.device, dtype=weight.dtype)
+    linear.weight.copy_(weight)
+    if bias is not None:
+        linear.bias.copy_(bias)
+    return linear.requires_grad_(False)
+
+
+def check_targets(targets: Sequence[str]) -> None:
+    """Projection names among ``LORA_TARGETS`` (at least one), else a ValueError."""
+    if isinstance(targets, str) or not targets or set(targets) - set(LORA_TARGETS):
+        raise ValueError(
+            f"targets must be a list of projection names among {LORA_TARGETS}, got {targets!r}."
+        )
+
+
+def add_lora_(
+    model: Transformer,
+    rank: int,
+    alpha: float,
+    seed: int = 0,
+    targets: Sequence[str] = LORA_TARGETS,
+) -> Transformer:
+    """Wrap every block projection named in ``targets`` in a ``LoRALinear``; in place, returns
+    ``model``."""
     check_count(rank, "rank", fix="LoRA commonly uses 8 or 16")
     check_positive(alpha, "alpha", "32")
+    check_targets(targets)
     for i, layer in enumerate(model.layers):
         for owner in (layer.attn, layer.mlp):
             for j, name in enumerate(n for n in LORA_TARGETS if hasattr(owner, n)):
-                base = getattr(owner, name)
-                setattr(owner, name, LoRALinear(base, rank, alpha, seed=seed + 100 * i + j))
+                if name in targets:
+                    base = getattr(owner, name)
+                    setattr(owner, name, LoRALinear(base, rank, alpha, seed=seed + 100 * i + j))
     return model
 
 

@@ -1,0 +1,336 @@
+"""Recovering a 2:4-pruned model cheaply: QLoRA adapters on its frozen NF4 base, distilled.
+
+Pruning half of every projection's weights in a 2:4 pattern (Wanda's scores, chapter 12)
+costs SmolLM2-135M a lot of quality. Recovery trains only LoRA adapters (``qlora_``) on top of
+the pruned weights stored in NF4, by distillation from the dense model with chapter 04's loop
+(``minisparse.relufy.finetune.finetune_`` with ``trainable="lora"``):
+
+    student = LoRA(NF4(prune_2:4(W)))        teacher = the dense model
+
+The adapters' B A is dense, so the merged model (``merge_qlora``) is no longer 2:4 sparse:
+recovery with adapters keeps the pattern only while the adapters stay separate (a sparse
+kernel for the base plus the small dense products). ``recover`` measures the held-out
+perplexity (``minisparse.io.eval``, with bootstrap intervals) of the dense model, the pruned
+model, the pruned model on its NF4 base before training, the QLoRA model after training and the
+merged model, and keeps the adapters in the cache; ``load_recovered`` rebuilds the QLoRA model
+from them. ``minisparse recover`` runs it; the checkpoint makes an interrupted run resumable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from ..core.checks import check_count
+from ..core.model import Transformer
+from ..io.cache import atomic_write_text, cache_dir, save_tensors_atomic
+from ..io.data import corpus, encode
+from ..io.eval import bootstrap_perplexity, window_nlls, windows
+from ..pruning.masks import nm_mask
+from ..pruning.scores import input_norms, wanda_score
+from ..quant.nf4 import NF4Linear
+from ..relufy.finetune import FinetuneConfig, cpu_name, finetune_, uses_bf16
+from ..relufy.lora import LORA_TARGETS, add_lora_
+from .qlora import nf4_base_, trainable_state_bytes
+
+__all__ = [
+    "EVAL_SEQ",
+    "adapters_path",
+    "add_arguments",
+    "add_command",
+    "base_fingerprint",
+    "load_recovered",
+    "perplexity_entry",
+    "prune_24",
+    "read_adapters",
+    "recover",
+    "run",
+]
+
+EVAL_SEQ = 256  # tokens per held-out window
+FIX = "make them with `minisparse recover`"
+
+
+def adapters_path(root: Path | None = None) -> Path:
+    """Where ``recover`` keeps the adapters (and its checkpoint's folder)."""
+    return (root or cache_dir()) / "recovered" / "adapters.safetensors"
+
+
+def base_fingerprint(model: Transformer) -> str:
+    """A short hash of every NF4 code and scale: the base the adapters were trained on."""
+    digest = hashlib.sha256()
+    for name, module in model.named_modules():
+        if isinstance(module, NF4Linear):
+            for buffer in module.buffers():
+                data = buffer.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                digest.update(name.encode() + data.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@torch.no_grad()
+def prune_24(model: Transformer, calibration: Tensor) -> Transformer:
+    """A copy of ``model`` with every block projection pruned 2:4 by Wanda's scores.
+
+    One pass over ``calibration`` [n, seq] gathers ‖X_j‖₂ of each projection's inputs
+    (``pruning.input_norms``); each weight keeps the 2 highest |W_ij| ‖X_j‖₂ of every 4
+    consecutive inputs (``pruning.nm_mask``). ``model`` is left unchanged.
+    """
+    pruned = copy.deepcopy(model)
+    linears = {
+        name: m
+        for name, m in pruned.named_modules()
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS
+    }
+    squares = {name: torch.zeros(m.in_features, dtype=torch.float64) for name, m in linears.items()}
+
+    def gather(name: str):
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            squares[name] += input_norms(inputs[0]).double().cpu().pow(2)
+
+        return hook
+
+    handles = [m.register_forward_hook(gather(name)) for name, m in linears.items()]
+    try:
+        for chunk in calibration.split(4):
+            pruned(chunk.to(pruned.device))
+    finally:
+        for h in handles:
+            h.remove()
+    for name, m in linears.items():
+        score = wanda_score(m.weight.float(), squares[name].sqrt().float().to(m.weight.device))
+        m.weight.mul_(nm_mask(score, 2, 4).to(m.weight.dtype))
+    return pruned
+
+
+def perplexity_entry(
+    model: Transformer, eval_ids: Tensor, progress: bool = False
+) -> dict[str, Any]:
+    """Held-out perplexity with its 95 % bootstrap interval over windows of ``EVAL_SEQ``."""
+    nll = window_nlls(model, eval_ids, EVAL_SEQ, progress=progress)
+    ppl = bootstrap_perplexity(nll)
+    return {"ppl": ppl.mid, "low": ppl.low, "high": ppl.high, "windows": nll.numel()}
+
+
+def nf4_student(base: Transformer, calibration: Tensor, block_size: int) -> Transformer:
+    """A copy of ``base``, pruned 2:4 with Wanda on ``calibration``, on a frozen NF4 base."""
+    return nf4_base_(prune_24(base, calibration), block_size)
+
+
+def recover(
+    base: Transformer,
+    tokenizer: Any,
+    config: FinetuneConfig,
+    block_size: int = 64,
+    seq_len: int = 128,
+    eval_tokens: int = 8 * EVAL_SEQ,
+    calib_windows: int = 16,
+    root: Path | None = None,
+    resume: bool = True,
+    progress: bool = True,
+) -> tuple[Transformer, dict[str, Any]]:
+    """Prune ``base`` 2:4, put it on NF4, train LoRA adapters by distillation; (merged, report).
+
+    ``config.trainable`` must be ``"lora"`` (its rank and alpha are the adapters'). The
+    report holds the perplexities of the five models of the module docstring, the trained
+    state against full fine-tuning, the loss history, the steps, batch and seconds. ``base``
+    is left unchanged; the adapters go to ``adapters_path(root)``.
+    """
+    if not isinstance(config, FinetuneConfig) or config.trainable != "lora":
+        raise ValueError(
+            "config must be a FinetuneConfig with trainable='lora' (QLoRA trains adapters)."
+        )
+    check_count(seq_len, "seq_len", minimum=2, fix="training windows need 2 tokens or more")
+    check_count(eval_tokens, "eval_tokens", minimum=EVAL_SEQ, fix=f"windows are {EVAL_SEQ} tokens")
+    check_count(calib_windows, "calib_windows", fix="Wanda needs a few windows, e.g. 16")
+    train = windows(encode(tokenizer, corpus(split="train")), seq_len)
+    calibration = windows(encode(tokenizer, corpus(split="calib")), seq_len)[:calib_windows]
+    eval_ids = encode(tokenizer, corpus(split="eval"))[:eval_tokens]
+    ppl = {"dense": perplexity_entry(base, eval_ids, progress)}
+    pruned = prune_24(base, calibration)
+    ppl["pruned 2:4"] = perplexity_entry(pruned, eval_ids, progress)
+    student = nf4_base_(pruned, block_size)
+    ppl["2:4 + NF4, before training"] = perplexity_entry(student, eval_ids, progress)
+    nf4_model = copy.deepcopy(student)
+    path = adapters_path(root)
+    result = finetune_(
+        student, base, train, config, checkpoint_dir=path.parent, resume=resume, progress=progress
+    )
+    adapters = {
+        name.removeprefix("param/"): t
+        for name, t in load_file(str(path.parent / "checkpoint.safetensors")).items()
+        if name.startswith("param/")
+    }
+    qlora = attach_adapters_(nf4_model, adapters, config)
+    ppl["2:4 + QLoRA, after training"] = perplexity_entry(qlora, eval_ids, progress)
+    ppl["merged"] = perplexity_entry(result.model, eval_ids, progress)
+    with torch.inference_mode():
+        sample = eval_ids[:EVAL_SEQ][None]
+        gap = (qlora(sample) - result.model(sample)).abs().max().item()
+    settings = {"block_size": block_size, "seq_len": seq_len, "calib_windows": calib_windows}
+    report: dict[str, Any] = {
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "bf16": uses_bf16(config, base.device),
+        "steps": config.steps,
+        "batch_size": config.batch_size,
+        "train_tokens_per_step": config.batch_size * seq_len,
+        "seconds": result.seconds,
+        "config": dataclasses.asdict(config),
+        **settings,
+        "eval_tokens": eval_ids.numel(),
+        "perplexity": ppl,
+        "merged_vs_qlora_max_logit_gap": gap,
+        "trainable_state": trainable_state_bytes(qlora),
+        "history": [{k: h[k] for k in ("step", "loss", "kl", "ce", "lr")} for h in result.history],
+    }
+    meta = {
+        "config": json.dumps(dataclasses.asdict(config)),
+        "settings": json.dumps(settings),
+        "fingerprint": base_fingerprint(nf4_model),
+    }
+    save_tensors_atomic({k: v.contiguous() for k, v in adapters.items()}, path, meta)
+    return result.model, report
+
+
+def attach_adapters_(
+    model: Transformer, adapters: dict[str, Tensor], config: FinetuneConfig
+) -> Transformer:
+    """LoRA adapters of ``config``'s rank and alpha on ``model``'s NF4 base, set to
+    ``adapters`` (name -> tensor, as ``finetune_`` names them); in place, frozen."""
+    add_lora_(model, config.lora_rank, config.lora_alpha, seed=config.seed)
+    missing = model.load_state_dict(adapters, strict=False).unexpected_keys
+    if missing:
+        raise ValueError(
+            f"the adapters hold tensors this model does not have ({missing[:3]}); {FIX}."
+        )
+    return model.requires_grad_(False).eval()
+
+
+def load_recovered(
+    base: Transformer, tokenizer: Any, root: Path | None = None
+) -> tuple[Transformer, dict[str, Any]]:
+    """The QLoRA model ``recover`` trained: ``base`` pruned and on NF4 again, adapters loaded.
+
+    Returns (model, settings). ``merge_qlora(model)`` gives the plain float model. Raises
+    FileNotFoundError when there are no adapters, ValueError when they are damaged or were
+    trained on another base.
+    """
+    path = adapters_path(root)
+    if not path.exists():
+        raise FileNotFoundError(f"No recovered adapters in {path.parent}; {FIX} (about 8 min).")
+    meta, adapters = read_adapters(path)
+    config = FinetuneConfig(**json.loads(meta["config"]))
+    settings = json.loads(meta["settings"])
+    calibration = windows(encode(tokenizer, corpus(split="calib")), settings["seq_len"])
+    model = nf4_student(base, calibration[: settings["calib_windows"]], settings["block_size"])
+    if base_fingerprint(model) != meta["fingerprint"]:
+        raise ValueError(
+            f"The adapters in {path} were trained on another pruned base than this model gives; "
+            f"{FIX} --fresh for this model."
+        )
+    return attach_adapters_(model, adapters, config), {
+        **settings,
+        "config": dataclasses.asdict(config),
+    }
+
+
+def read_adapters(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """(metadata, tensors) of an adapters file, or one ValueError that says how to remake it."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        FinetuneConfig(**json.loads(meta["config"]))
+        json.loads(meta["settings"])
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"{path} is not readable adapters ({err!r}); delete it and {FIX}."
+        ) from err
+    if not tensors or "fingerprint" not in meta:
+        raise ValueError(f"{path} holds no adapters; {FIX} --fresh.")
+    return meta, tensors
+
+
+def add_command(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``recover`` subcommand of ``minisparse`` (``sub``: the command line's subparsers)."""
+    parser = sub.add_parser(
+        "recover",
+        help="recover a 2:4-pruned model with QLoRA adapters on an NF4 base (chapter 12)",
+        parents=[common],
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="as for the other commands")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--alpha", type=float, default=32.0)
+    parser.add_argument("--block-size", type=int, default=64, help="NF4 block of weights")
+    parser.add_argument("--eval-tokens", type=int, default=8 * EVAL_SEQ)
+    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--fresh", action="store_true", help="ignore a checkpoint; start over")
+    parser.add_argument("--save-dir", default=None, help="where adapters go (default: the cache)")
+    parser.add_argument("--record", default=None, help="write the report as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``minisparse recover`` command: recover, print the perplexities, record the JSON."""
+    from ..io.loading import load
+
+    check_count(args.threads, "--threads", minimum=0, fix="0 keeps torch's default")
+    config = FinetuneConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup=args.warmup,
+        trainable="lora",
+        lora_rank=args.rank,
+        lora_alpha=args.alpha,
+        checkpoint_every=args.checkpoint_every,
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model, device=args.device)
+    root = Path(args.save_dir) if args.save_dir else None
+    _, report = recover(
+        model,
+        tokenizer,
+        config,
+        block_size=args.block_size,
+        seq_len=args.seq_len,
+        eval_tokens=args.eval_tokens,
+        root=root,
+        resume=not args.fresh,
+    )
+    report["command"] = "minisparse " + shlex.join(args.argv)
+    for name, r in report["perplexity"].items():
+        print(f"{name:28s} perplexity {r['ppl']:8.2f}  ({r['low']:.2f} to {r['high']:.2f})")
+    state = report["trainable_state"]
+    print(
+        f"trained state {state['trainable_bytes'] / 2**20:.1f} MiB vs full fine-tuning "
+        f"{state['full_bytes'] / 2**20:.0f} MiB; adapters in {adapters_path(root)}"
+    )
+    if args.record:
+        atomic_write_text(Path(args.record), json.dumps(report, indent=1) + "\n")
+        print(f"report: {args.record}")
+    return 0
