@@ -101,21 +101,41 @@ WRONG = {
 }
 
 
-def test_every_exercise_has_a_wrong_answer():
-    """Small exercises here; each core build in its chapter's tests/test_builds_chNN.py."""
+def build_mistakes() -> dict[str, list]:
+    """The plausible wrong answers of every core build (``WRONG`` of each chapter's
+    tests/test_builds_chNN.py, where they are written beside what they get wrong)."""
     builds: dict[str, list] = {}
     for path in sorted(Path(__file__).parent.glob("test_builds_ch*.py")):
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         builds.update(module.WRONG)
-    assert set(WRONG) | set(builds) == set(EXERCISES)
-    assert all(len(wrong) >= 2 for wrong in builds.values())  # each rejects several mistakes
+    return builds
+
+
+BUILD_MISTAKES = build_mistakes()
+
+
+def test_every_exercise_has_a_wrong_answer():
+    """Small exercises here; each core build in its chapter's tests/test_builds_chNN.py."""
+    assert set(WRONG) | set(BUILD_MISTAKES) == set(EXERCISES)
+    assert all(len(wrong) >= 2 for wrong in BUILD_MISTAKES.values())  # several mistakes each
 
 
 @pytest.mark.parametrize("name", sorted(WRONG))
 def test_a_wrong_answer_fails_with_a_hint(name, capsys):
     assert not check(name, WRONG[name], seed=0)
+    out = capsys.readouterr().out
+    assert "mismatch" in out and "hint:" in out
+
+
+@pytest.mark.parametrize(
+    ("name", "mistake"),
+    [(n, fn) for n, fns in sorted(BUILD_MISTAKES.items()) for fn in fns],
+    ids=lambda v: v if isinstance(v, str) else v.__name__,
+)
+def test_each_plausible_mistake_in_a_build_fails_with_a_hint(name, mistake, capsys):
+    assert not check(name, mistake, seed=0)
     out = capsys.readouterr().out
     assert "mismatch" in out and "hint:" in out
 

@@ -333,8 +333,12 @@ def test_plug_points_run_the_whole_model():
     for key, w in projections(out).items():
         assert torch.all(w[:, : round(0.25 * w.shape[1])] == 0), key
         assert torch.all(w[:, round(0.25 * w.shape[1]) :] != 0), key
-    with pytest.raises(ValueError, match="mask_fn must return a bool mask"):
+    with pytest.raises(ValueError, match=r"mask_fn \(or select_fn\) must return a bool mask"):
         prune(model, "magnitude", 0.5, mask_fn=lambda s, sp, p: torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="select_fn scores and selects in one function"):
+        prune(model, "wanda", 0.5, calibration=tokens, select_fn=first_half, mask_fn=first_half)
+    with pytest.raises(ValueError, match="sparsegpt chooses its mask"):
+        prune(model, "sparsegpt", 0.5, calibration=tokens, select_fn=first_half)
 
 
 def test_weight_sparsity_counts_zeros():
@@ -361,7 +365,7 @@ def test_weight_sparsity_counts_zeros():
         ({"method": "wanda", "calibration": None}, "pass calibration="),
         ({"method": "sparsegpt", "calibration": None}, "pass calibration="),
         ({"targets": "attn"}, "targets must be one of"),
-        ({"method": "sparsegpt", "score_fn": lambda w, x: w}, "score_fn and mask_fn apply"),
+        ({"method": "sparsegpt", "score_fn": lambda w, x: w}, "mask_fn and select_fn apply"),
         ({"method": "sparsegpt", "damp": -1.0}, "damp must be"),
         ({"calibration": torch.zeros(2, 3)}, "token ids"),
     ],

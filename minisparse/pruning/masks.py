@@ -49,7 +49,9 @@ def pattern_nm(pattern: str) -> tuple[int, int] | None:
     )
 
 
-def check_pattern(pattern: str, in_features: int, name: str = "the layer") -> tuple[int, int] | None:
+def check_pattern(
+    pattern: str, in_features: int, name: str = "the layer"
+) -> tuple[int, int] | None:
     """``pattern_nm`` plus the check that m divides the inputs of ``name``."""
     nm = pattern_nm(pattern)
     if nm is not None and in_features % nm[1]:

@@ -19,7 +19,9 @@ errors of the blocks before it. The embedding and the LM head are never pruned.
 
 **Plug points.** ``score_fn(weight, x_norm) -> scores`` (x_norm is None for magnitude) and
 ``mask_fn(scores, sparsity, pattern) -> keep`` (a bool mask) replace the method's score and
-its mask (``row_mask`` / ``nm_mask``), so one's own functions run on the whole model.
+its mask (``row_mask`` / ``nm_mask``), so one's own functions run on the whole model;
+``select_fn(weight, x_norm, sparsity, pattern) -> keep`` replaces both at once (a function that
+scores and selects, such as chapter 12's ``wanda_mask``).
 
 ``weight_sparsity`` counts the zeros a model's projections hold.
 """
@@ -45,6 +47,7 @@ __all__ = [
     "TARGETS",
     "MaskFn",
     "ScoreFn",
+    "SelectFn",
     "check_prune_arguments",
     "default_mask",
     "prune",
@@ -68,6 +71,8 @@ TARGETS = {
 ScoreFn = Callable[[Tensor, Tensor | None], Tensor]
 #: (scores [out, in], sparsity, pattern) -> bool [out, in], True where a weight is kept.
 MaskFn = Callable[[Tensor, float, str], Tensor]
+#: (weight [out, in], input norms [in] or None, sparsity, pattern) -> bool [out, in], kept.
+SelectFn = Callable[[Tensor, Tensor | None, float, str], Tensor]
 
 
 def default_mask(scores: Tensor, sparsity: float, pattern: str) -> Tensor:
@@ -104,6 +109,7 @@ def check_prune_arguments(
     targets: str,
     score_fn: ScoreFn | None,
     mask_fn: MaskFn | None,
+    select_fn: SelectFn | None = None,
 ) -> tuple[str, ...]:
     """Every check ``prune`` makes before it works; returns the targeted projection names."""
     if method not in PRUNE_METHODS:
@@ -113,10 +119,15 @@ def check_prune_arguments(
         for name in names:
             lin = layer.get_submodule(name)
             check_target(sparsity, pattern, lin.in_features, f"layers.{i}.{name}")
-    if method == "sparsegpt" and (score_fn is not None or mask_fn is not None):
+    if method == "sparsegpt" and any(f is not None for f in (score_fn, mask_fn, select_fn)):
         raise ValueError(
-            "sparsegpt chooses its mask from the inverse Hessian; score_fn and mask_fn apply "
-            "to method='magnitude' or 'wanda'."
+            "sparsegpt chooses its mask from the inverse Hessian; score_fn, mask_fn and "
+            "select_fn apply to method='magnitude' or 'wanda'."
+        )
+    if select_fn is not None and (score_fn is not None or mask_fn is not None):
+        raise ValueError(
+            "select_fn scores and selects in one function; pass it alone, or score_fn and "
+            "mask_fn without it."
         )
     if method != "magnitude":
         if calibration is None:
@@ -133,8 +144,8 @@ def _prune_linear_(linear: nn.Module, keep: Tensor, name: str) -> None:
     weight = linear.weight.detach()
     if keep.shape != weight.shape or keep.dtype != torch.bool:
         raise ValueError(
-            f"mask_fn must return a bool mask of the weight's shape {list(weight.shape)} for "
-            f"{name}; got {keep.dtype} {list(keep.shape)}."
+            f"mask_fn (or select_fn) must return a bool mask of the weight's shape "
+            f"{list(weight.shape)} for {name}; got {keep.dtype} {list(keep.shape)}."
         )
     set_weight(linear, weight * keep)
 
@@ -149,6 +160,7 @@ def prune(
     targets: str = "all",
     score_fn: ScoreFn | None = None,
     mask_fn: MaskFn | None = None,
+    select_fn: SelectFn | None = None,
     damp: float = 0.01,
     blocksize: int = 128,
 ) -> Transformer:
@@ -158,11 +170,11 @@ def prune(
     (for "n:m" patterns it must be 1 − n/m); ``pattern``: "unstructured" or "n:m";
     ``calibration``: token ids [batch, seq] (Wanda and SparseGPT; magnitude ignores them);
     ``targets``: "all" projections of every block or the "mlp" ones; ``score_fn`` and
-    ``mask_fn``: plug points for magnitude and Wanda (see the module); ``damp`` and
-    ``blocksize``: SparseGPT's dampening and lazy block.
+    ``mask_fn`` (or ``select_fn``): plug points for magnitude and Wanda (see the module);
+    ``damp`` and ``blocksize``: SparseGPT's dampening and lazy block.
     """
     names = check_prune_arguments(
-        model, method, sparsity, pattern, calibration, targets, score_fn, mask_fn
+        model, method, sparsity, pattern, calibration, targets, score_fn, mask_fn, select_fn
     )
     if method == "sparsegpt":
         check_settings(blocksize, damp)
@@ -173,7 +185,11 @@ def prune(
     def by_score(layer: nn.Module, linears: Sequence[str], x_norm: Tensor | None) -> None:
         for name in linears:
             linear = layer.get_submodule(name)
-            keep = choose(score(linear.weight.detach(), x_norm), sparsity, pattern)
+            weight = linear.weight.detach()
+            if select_fn is not None:
+                keep = select_fn(weight, x_norm, sparsity, pattern)
+            else:
+                keep = choose(score(weight, x_norm), sparsity, pattern)
             _prune_linear_(linear, keep, name)
 
     def visit(layer: nn.Module, groups: list[LinearGroup], inputs: dict[str, Tensor]) -> None:

@@ -19,9 +19,7 @@ def train_predictor(predictor, x, y, epochs, batch_size, lr, pos_weight, seed):
         for _ in range(epochs):
             for idx in torch.randperm(x.shape[0], generator=gen).split(batch_size):
                 logits = predictor(x[idx])
-                loss = F.binary_cross_entropy_with_logits(
-                    logits, y[idx].float(), pos_weight=weight
-                )
+                loss = F.binary_cross_entropy_with_logits(logits, y[idx].float(), pos_weight=weight)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

@@ -6,6 +6,6 @@ misses, and, for a class or a loop, a ``run`` that drives it through a script of
 What the chapter plugs the learner's code into lives beside it (e.g. ``attention_with``).
 """
 
-from . import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11  # noqa: F401
+from . import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12  # noqa: F401
 
 __all__: list[str] = []
