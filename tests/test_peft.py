@@ -160,12 +160,12 @@ def test_prune_24_is_wanda_on_the_calibration_inputs():
     def keep_input(module, inputs, output):
         seen["x"] = inputs[0]
 
-    hook = dense.layers[1].mlp.down_proj.register_forward_hook(keep_input)
+    hook = dense.layers[0].attn.q_proj.register_forward_hook(keep_input)  # block 0 sees dense input
     with torch.no_grad():
         dense(TOKENS)
     hook.remove()
-    ref = reference_wanda_24(dense.layers[1].mlp.down_proj.weight.detach(), seen["x"])
-    assert torch.equal(pruned.layers[1].mlp.down_proj.weight, ref)
+    ref = reference_wanda_24(dense.layers[0].attn.q_proj.weight.detach(), seen["x"])
+    assert torch.equal(pruned.layers[0].attn.q_proj.weight, ref)
     for name, p in pruned.named_parameters():
         if name.rsplit(".", 2)[-2] in LORA_TARGETS:
             assert (p.reshape(p.shape[0], -1, 4) != 0).sum(-1).max() <= 2, name
@@ -215,6 +215,8 @@ def test_saved_adapters_rebuild_the_same_model(tmp_path):
     adapters = {n: p.detach() for n, p in trained.named_parameters() if p.requires_grad}
     rebuilt = attach_adapters_(nf4_base_(tiny_model(seed=2), 16), adapters, config)
     torch.testing.assert_close(rebuilt(TOKENS), trained(TOKENS), atol=0, rtol=0)
+    grads = {n for n, p in rebuilt.named_parameters() if p.requires_grad}
+    assert grads == set(adapters)
     with pytest.raises(ValueError, match="minisparse recover"):
         attach_adapters_(nf4_base_(tiny_model(), 16), {"layers.0.x.A": torch.ones(1)}, config)
     path = tmp_path / "adapters.safetensors"

@@ -30,18 +30,17 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..core.checks import check_count
 from ..core.model import Transformer
 from ..io.cache import atomic_write_text, cache_dir, save_tensors_atomic
 from ..io.data import corpus, encode
 from ..io.eval import bootstrap_perplexity, window_nlls, windows
-from ..pruning.masks import nm_mask
-from ..pruning.scores import input_norms, wanda_score
+from ..pruning.prune import prune
 from ..quant.nf4 import NF4Linear
 from ..relufy.finetune import FinetuneConfig, cpu_name, finetune_, uses_bf16
-from ..relufy.lora import LORA_TARGETS, add_lora_
+from ..relufy.lora import add_lora_
 from .qlora import nf4_base_, trainable_state_bytes
 
 __all__ = [
@@ -78,39 +77,11 @@ def base_fingerprint(model: Transformer) -> str:
     return digest.hexdigest()[:16]
 
 
-@torch.no_grad()
 def prune_24(model: Transformer, calibration: Tensor) -> Transformer:
-    """A copy of ``model`` with every block projection pruned 2:4 by Wanda's scores.
-
-    One pass over ``calibration`` [n, seq] gathers ‖X_j‖₂ of each projection's inputs
-    (``pruning.input_norms``); each weight keeps the 2 highest |W_ij| ‖X_j‖₂ of every 4
-    consecutive inputs (``pruning.nm_mask``). ``model`` is left unchanged.
-    """
-    pruned = copy.deepcopy(model)
-    linears = {
-        name: m
-        for name, m in pruned.named_modules()
-        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS
-    }
-    squares = {name: torch.zeros(m.in_features, dtype=torch.float64) for name, m in linears.items()}
-
-    def gather(name: str):
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            squares[name] += input_norms(inputs[0]).double().cpu().pow(2)
-
-        return hook
-
-    handles = [m.register_forward_hook(gather(name)) for name, m in linears.items()]
-    try:
-        for chunk in calibration.split(4):
-            pruned(chunk.to(pruned.device))
-    finally:
-        for h in handles:
-            h.remove()
-    for name, m in linears.items():
-        score = wanda_score(m.weight.float(), squares[name].sqrt().float().to(m.weight.device))
-        m.weight.mul_(nm_mask(score, 2, 4).to(m.weight.dtype))
-    return pruned
+    """A copy of ``model`` with every block projection pruned 2:4 by Wanda's scores on
+    ``calibration`` [n, seq] (``minisparse.pruning.prune``, block by block); ``model`` is left
+    unchanged."""
+    return prune(model, "wanda", sparsity=0.5, pattern="2:4", calibration=calibration)
 
 
 def perplexity_entry(
@@ -207,14 +178,17 @@ def attach_adapters_(
     model: Transformer, adapters: dict[str, Tensor], config: FinetuneConfig
 ) -> Transformer:
     """LoRA adapters of ``config``'s rank and alpha on ``model``'s NF4 base, set to
-    ``adapters`` (name -> tensor, as ``finetune_`` names them); in place, frozen."""
+    ``adapters`` (name -> tensor, as ``finetune_`` names them); in place. As after ``qlora_``,
+    only the adapters' A and B require a gradient."""
     add_lora_(model, config.lora_rank, config.lora_alpha, seed=config.seed)
     missing = model.load_state_dict(adapters, strict=False).unexpected_keys
     if missing:
         raise ValueError(
             f"the adapters hold tensors this model does not have ({missing[:3]}); {FIX}."
         )
-    return model.requires_grad_(False).eval()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith((".A", ".B")))
+    return model.eval()
 
 
 def load_recovered(
@@ -277,16 +251,16 @@ def add_command(sub: Any, common: argparse.ArgumentParser) -> argparse.ArgumentP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=18)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--block-size", type=int, default=64, help="NF4 block of weights")
     parser.add_argument("--eval-tokens", type=int, default=8 * EVAL_SEQ)
-    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--checkpoint-every", type=int, default=6)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--fresh", action="store_true", help="ignore a checkpoint; start over")
     parser.add_argument("--save-dir", default=None, help="where adapters go (default: the cache)")
