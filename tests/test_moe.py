@@ -162,7 +162,7 @@ def test_router_learns_a_planted_rule():
 
     x, active = data(3000)
     x_new, active_new = data(500)
-    router = moe.train_router(x, active, truth, epochs=20, lr=1e-2)
+    router = moe.train_router(x, active, truth, epochs=20, batch_size=1000, lr=3e-2)
     chosen = moe.route(router, x_new, 2)
     assert confusion(moe.expert_mask(chosen, truth), active_new).recall > 0.9
     untrained = init_random(Predictor(16, 8, 8), 0)
@@ -223,7 +223,7 @@ def test_compare_rows_on_a_tiny_model():
     calibration = torch.randint(0, 97, (4, 32), generator=gen)
     evaluation = torch.randint(0, 97, (3, 32), generator=gen)
     rows = moe.compare_with_predictors(
-        model, calibration, evaluation, (0.25, 0.5), 8, (4,), router_epochs=2, progress=False
+        model, calibration, evaluation, (0.25, 0.5), 8, (4,), epochs=2, progress=False
     )
     methods = ["oracle", "moe coactivation", "moe random", "predictor r=4"]
     assert [r.method for r in rows] == ["dense"] + methods * 2

@@ -7,6 +7,7 @@ rho of the neurons per token:
 
 * **MoE** (co-activation or random experts): the router's top k = rho E experts;
 * **predictor** (chapter 06, rank r, compressed-gate start): the top rho n neuron logits;
+  fitted with the same number of BCE epochs on the same tokens as the routers;
 * **oracle**: the rho n neurons with the largest true |h_j| (the best any selector can do).
 
 For each, on held-out windows of the target model (``predictors.prediction_target``: chapter
@@ -147,7 +148,7 @@ def compare_with_predictors(
     densities: Sequence[float] = (0.25, 0.5),
     n_experts: int = 32,
     predictor_ranks: Sequence[int] = (8,),
-    router_epochs: int = 8,
+    epochs: int = 8,
     seed: int = 0,
     progress: bool = True,
 ) -> list[Row]:
@@ -155,7 +156,8 @@ def compare_with_predictors(
     each compute share in ``densities``; see the module docstring for what each row measures.
 
     ``calibration`` [n, seq]: windows the thresholds, experts, routers and predictors are fitted
-    on; ``evaluation`` [n, seq]: held-out windows. Each density must be a multiple of
+    on; ``evaluation`` [n, seq]: held-out windows. ``epochs``: BCE epochs of every router and
+    every predictor (after its compressed-gate start). Each density must be a multiple of
     1 / ``n_experts`` so that the MoE and the neuron selectors compute the same share.
     """
     if calibration.dim() != 2 or evaluation.dim() != 2:
@@ -178,7 +180,7 @@ def compare_with_predictors(
     steps = tqdm(total=2 + len(predictor_ranks), desc="selectors", disable=not progress)
     moe = {}
     for grouping in ("coactivation", "random"):
-        moe[grouping] = fit_moe_layers(train, n_experts, grouping, epochs=router_epochs, seed=seed)
+        moe[grouping] = fit_moe_layers(train, n_experts, grouping, epochs=epochs, seed=seed)
         steps.update()
     directions = [
         principal_directions(layer.mlp.gate_proj.weight, record.mlp_in)
@@ -186,7 +188,7 @@ def compare_with_predictors(
     ]
     predictors = {}
     for r in predictor_ranks:
-        config = PredictorConfig(ranks=(r,), start_rank=r, seed=seed)
+        config = PredictorConfig(ranks=(r,), start_rank=r, epochs=epochs, seed=seed)
         predictors[r] = fit_predictors(model, train, train, limits, config, False, directions)
         steps.update()
     steps.close()
