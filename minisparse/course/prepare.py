@@ -117,7 +117,7 @@ ARTIFACTS = (
         "QLoRA adapters of the 2:4-pruned model (chapter 12)",
         _recovered_adapters,
         ("recover",),
-        8.0,
+        15.0,
         "chapter 12 (peft.load_recovered)",
         _read_adapters,
     ),
