@@ -228,9 +228,24 @@ def test_saved_adapters_rebuild_the_same_model(tmp_path):
         read_adapters(path)
 
 
+def test_pruning_masks_rebuild_the_pruned_weights():
+    from minisparse.peft.recover import apply_masks, pruning_masks
+
+    dense = tiny_model(seed=7)
+    pruned = prune_24(dense, TOKENS)
+    masks = pruning_masks(pruned)
+    assert len(masks) == len(LORA_TARGETS) * dense.config.n_layers
+    rebuilt = apply_masks(dense, masks)
+    for (name, a), b in zip(
+        pruned.state_dict().items(), rebuilt.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert float((dense.layers[0].mlp.up_proj.weight == 0).float().mean()) == 0
+
+
 def test_load_recovered_names_the_command_and_checks_the_base(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="minisparse recover"):
-        load_recovered(tiny_model(), IdTokenizer(), root=tmp_path)
+        load_recovered(tiny_model(), root=tmp_path)
     a = qlora_(tiny_model(seed=0), rank=2, block_size=16)
     b = qlora_(tiny_model(seed=1), rank=2, block_size=16)
     assert base_fingerprint(a) != base_fingerprint(b)

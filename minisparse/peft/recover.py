@@ -27,6 +27,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
@@ -40,7 +41,7 @@ from ..io.eval import bootstrap_perplexity, window_nlls, windows
 from ..pruning.prune import prune
 from ..quant.nf4 import NF4Linear
 from ..relufy.finetune import FinetuneConfig, cpu_name, finetune_, uses_bf16
-from ..relufy.lora import add_lora_
+from ..relufy.lora import LORA_TARGETS, add_lora_
 from .qlora import nf4_base_, trainable_state_bytes
 
 __all__ = [
@@ -48,10 +49,12 @@ __all__ = [
     "adapters_path",
     "add_arguments",
     "add_command",
+    "apply_masks",
     "base_fingerprint",
     "load_recovered",
     "perplexity_entry",
     "prune_24",
+    "pruning_masks",
     "read_adapters",
     "recover",
     "run",
@@ -93,9 +96,24 @@ def perplexity_entry(
     return {"ppl": ppl.mid, "low": ppl.low, "high": ppl.high, "windows": nll.numel()}
 
 
-def nf4_student(base: Transformer, calibration: Tensor, block_size: int) -> Transformer:
-    """A copy of ``base``, pruned 2:4 with Wanda on ``calibration``, on a frozen NF4 base."""
-    return nf4_base_(prune_24(base, calibration), block_size)
+def pruning_masks(pruned: Transformer) -> dict[str, Tensor]:
+    """The kept weights of every block projection, one bit each: "mask/<weight name>" -> uint8."""
+    return {
+        f"mask/{name}": torch.from_numpy(np.packbits((p != 0).cpu().numpy().reshape(-1)))
+        for name, p in pruned.named_parameters()
+        if name.rsplit(".", 2)[-2] in LORA_TARGETS and name.endswith(".weight")
+    }
+
+
+@torch.no_grad()
+def apply_masks(base: Transformer, masks: dict[str, Tensor]) -> Transformer:
+    """A copy of ``base`` with the weights ``pruning_masks`` dropped set to zero."""
+    pruned = copy.deepcopy(base)
+    for key, bits in masks.items():
+        p = pruned.get_parameter(key.removeprefix("mask/"))
+        keep = np.unpackbits(bits.numpy())[: p.numel()].reshape(tuple(p.shape))
+        p.mul_(torch.from_numpy(keep).to(device=p.device, dtype=p.dtype))
+    return pruned
 
 
 def recover(
@@ -129,6 +147,7 @@ def recover(
     eval_ids = encode(tokenizer, corpus(split="eval"))[:eval_tokens]
     ppl = {"dense": perplexity_entry(base, eval_ids, progress)}
     pruned = prune_24(base, calibration)
+    masks = pruning_masks(pruned)
     ppl["pruned 2:4"] = perplexity_entry(pruned, eval_ids, progress)
     student = nf4_base_(pruned, block_size)
     ppl["2:4 + NF4, before training"] = perplexity_entry(student, eval_ids, progress)
@@ -170,7 +189,8 @@ def recover(
         "settings": json.dumps(settings),
         "fingerprint": base_fingerprint(nf4_model),
     }
-    save_tensors_atomic({k: v.contiguous() for k, v in adapters.items()}, path, meta)
+    tensors = {**{k: v.contiguous() for k, v in adapters.items()}, **masks}
+    save_tensors_atomic(tensors, path, meta)
     return result.model, report
 
 
@@ -192,7 +212,7 @@ def attach_adapters_(
 
 
 def load_recovered(
-    base: Transformer, tokenizer: Any, root: Path | None = None
+    base: Transformer, root: Path | None = None
 ) -> tuple[Transformer, dict[str, Any]]:
     """The QLoRA model ``recover`` trained: ``base`` pruned and on NF4 again, adapters loaded.
 
@@ -202,12 +222,17 @@ def load_recovered(
     """
     path = adapters_path(root)
     if not path.exists():
-        raise FileNotFoundError(f"No recovered adapters in {path.parent}; {FIX} (about 8 min).")
-    meta, adapters = read_adapters(path)
+        raise FileNotFoundError(
+            f"No recovered adapters in {path.parent}; {FIX} (about 15 min on 2 cores)."
+        )
+    meta, tensors = read_adapters(path)
+    masks = {k: v for k, v in tensors.items() if k.startswith("mask/")}
+    adapters = {k: v for k, v in tensors.items() if not k.startswith("mask/")}
     config = FinetuneConfig(**json.loads(meta["config"]))
     settings = json.loads(meta["settings"])
-    calibration = windows(encode(tokenizer, corpus(split="calib")), settings["seq_len"])
-    model = nf4_student(base, calibration[: settings["calib_windows"]], settings["block_size"])
+    if not masks:
+        raise ValueError(f"{path} holds no pruning masks (an older file); {FIX} --fresh.")
+    model = nf4_base_(apply_masks(base, masks), settings["block_size"])
     if base_fingerprint(model) != meta["fingerprint"]:
         raise ValueError(
             f"The adapters in {path} were trained on another pruned base than this model gives; "
