@@ -232,13 +232,14 @@ def load_recovered(
     settings = json.loads(meta["settings"])
     if not masks:
         raise ValueError(f"{path} holds no pruning masks (an older file); {FIX} --fresh.")
-    model = nf4_base_(apply_masks(base, masks), settings["block_size"])
+    base_nf4 = nf4_base_(apply_masks(base, masks), settings["block_size"])
+    model = attach_adapters_(base_nf4, adapters, config)  # fingerprinted as saved: with adapters
     if base_fingerprint(model) != meta["fingerprint"]:
         raise ValueError(
             f"The adapters in {path} were trained on another pruned base than this model gives; "
             f"{FIX} --fresh for this model."
         )
-    return attach_adapters_(model, adapters, config), {
+    return model, {
         **settings,
         "config": dataclasses.asdict(config),
     }
