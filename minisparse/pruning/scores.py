@@ -13,7 +13,6 @@ scores within each output row (Wanda's choice) or within groups of m inputs (N:M
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 __all__ = ["input_norms", "magnitude_score", "wanda_score"]
