@@ -3,12 +3,12 @@
 minisparse info                          model shape, parameter count, cache, CPU build
 minisparse generate "prompt" [--chat]    stream a continuation (or a chat answer)
 minisparse tour                          the five-minute tour of the real model
-minisparse bench decode                  minisparse vs transformers decode speed
-minisparse bench sparse-ffn              sparse FFN kernels vs dense and vs the ideal
-minisparse bench sparse-decode           dense vs sparse decode speed, against the bytes ceiling
-minisparse bench isa                     the decode step built for native, x86-64-v3, -v2
+minisparse bench NAME                    benchmarks side by side (decode, sparse-decode, isa,
+                                         nm-decode, ...: `minisparse bench -h` lists them)
 minisparse relufy --stage 1 --steps 200  ReLUfy and fine-tune by distillation (chapter 04)
 minisparse predictors                    train sparsity predictors and save them (chapter 06)
+minisparse prune [--sweep]               magnitude / Wanda / SparseGPT pruning (chapter 12)
+minisparse recover                       QLoRA recovery of a 2:4-pruned model (chapter 12)
 minisparse prepare                       make every long artifact above in one go, with progress
 minisparse offload --budget 0.3          hot/cold neuron placement and modelled speed (chapter 08)
 minisparse export OUT [--format hf|gguf]  a transformers checkpoint or a llama.cpp GGUF file
