@@ -145,3 +145,33 @@ def test_bench_isa_decodes_the_same_tokens_with_every_build():
     assert all(r.same_tokens_as_native for r in rows)  # fails if a build computes differently
     assert sum(r.chosen for r in rows) == 1 and rows[0].vs_native == 1.0
     assert all(r.tok_s > 0 and r.mb_per_token > 0 for r in rows)
+
+
+def test_bench_isa_runs_the_2_4_layers_alike_with_every_build():
+    """Chapter 12's compact 2:4 layers (float32 and int8 values) through every build of the
+    step decode the native build's tokens (tests/test_nm_linear.py checks the native build's
+    logits against the masked dense model)."""
+    import copy
+
+    import torch
+
+    from conftest import tiny_model
+    from minisparse.bench.isa import bench_isa
+    from minisparse.pruning import nm_mask, to_nm_
+
+    if not cpu.fast_path_available():
+        pytest.skip("no C compiler here")
+    dense = tiny_model(seed=5, std=0.2)
+    with torch.no_grad():
+        for layer in dense.layers:
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.weight.mul_(nm_mask(lin.weight.abs(), 2, 4))
+    variants = {
+        "dense": dense,
+        "2:4": to_nm_(copy.deepcopy(dense), "mlp"),
+        "2:4 int8": to_nm_(copy.deepcopy(dense), "mlp", int8=True),
+    }
+    rows = bench_isa(dense, [3, 1, 4, 1, 5], max_new_tokens=6, repeats=1, progress=False,
+                     variants=variants)  # fmt: skip
+    assert {r.weights for r in rows} == set(variants)
+    assert all(r.same_tokens_as_native for r in rows)

@@ -53,9 +53,11 @@ def bench_isa(
     max_new_tokens: int = 32,
     repeats: int = 5,
     progress: bool = True,
+    variants: dict[str, torch.nn.Module] | None = None,
 ) -> list[IsaRow]:
     """Greedy decode tokens/s of every target's build of the decode step, per weight format
-    (the native build first in each format)."""
+    (the native build first in each format); ``variants`` (name -> model, e.g. chapter 12's
+    2:4 models) replaces the weight formats when given."""
     weights = tuple(WEIGHT_FORMATS) if weights is None else weights
     from ..engine.compose import step_bytes
     from ..kernels.cpu_build import build_choice, build_for, find_compiler, resolve_compiler
@@ -77,8 +79,9 @@ def bench_isa(
                 raise
             print(f"{target}: not built ({str(err).splitlines()[0][:120]}); left out")
     rows = []
-    for kind in weights:
-        m = model if kind == "fp32" else low_bit(model, kind)
+    if variants is None:
+        variants = {kind: model if kind == "fp32" else low_bit(model, kind) for kind in weights}
+    for kind, m in variants.items():
         runs, firsts = {}, {}
         for target, lib in libs.items():
             firsts[target], runs[target] = greedy_steps(m, prompt_ids, max_new_tokens, lib)
