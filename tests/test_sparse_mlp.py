@@ -349,3 +349,24 @@ def test_int8_sparse_mlp_refuses_a_mix_and_the_triton_backend():
     if triton_available():  # without triton, backend='triton' fails earlier (ImportError)
         with pytest.raises(ValueError, match="no Triton kernels for int8"):
             S.SparseMLP(int8_mlp(mlp), threshold=0.1, backend="triton")
+
+
+@pytest.mark.parametrize("problem", ["bias", "down_in_act"])
+def test_an_mlp_a_subset_cannot_compute_is_refused_by_sparse_and_moe_mlps(problem):
+    """SparseMLP and MoEMLP (chapter 12) compute a subset of the neurons and mask
+    act(gate x) * (up x) themselves: an MLP with biases, or with a module at the down
+    projection's input, gets one error naming the module and the fix."""
+    from minisparse.moe.mlp import MoEMLP
+
+    mlp = tiny_model(seed=2).layers[0].mlp
+    if problem == "bias":
+        mlp.up_proj.bias = torch.nn.Parameter(torch.zeros(mlp.up_proj.out_features))
+        match = "supports bias-free MLPs"
+    else:
+        mlp.down_in_act = torch.nn.ReLU()
+        match = "remove_thresholds_"
+    with pytest.raises(ValueError, match=f"SparseMLP {match}|{match}"):
+        S.SparseMLP(mlp, threshold=0.1)
+    experts = torch.arange(mlp.up_proj.out_features).view(4, -1)
+    with pytest.raises(ValueError, match=f"MoEMLP {match}|{match}"):
+        MoEMLP(mlp, experts, router=None, top_k=1)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ..core.model import MLP
 from ..predictors.lowrank import Predictor
+from ..sparse.mlp import check_maskable_mlp
 from .grouping import check_experts
 from .routing import check_top_k, route
 
@@ -46,15 +47,7 @@ class MoEMLP(nn.Module):
 
     def __init__(self, mlp: MLP, experts: Tensor, router: Predictor, top_k: int) -> None:
         super().__init__()
-        if any(p.bias is not None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            raise ValueError(
-                "MoEMLP supports bias-free MLPs (the Llama family); this one has biases."
-            )
-        if not isinstance(mlp.down_in_act, nn.Identity):
-            raise ValueError(
-                "MoEMLP cannot keep a module at the down projection's input; take it out first "
-                "(minisparse.sparsity.remove_thresholds_)."
-            )
+        check_maskable_mlp(mlp, "MoEMLP")
         n_neurons = mlp.gate_proj.weight.shape[0]
         experts = check_experts(experts.cpu(), n_neurons)
         if router.up.out_features != experts.shape[0]:

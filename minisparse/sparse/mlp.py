@@ -70,6 +70,7 @@ __all__ = [
     "Selector",
     "SparseMLP",
     "activation_name",
+    "check_maskable_mlp",
     "gate_activations",
     "kernel_ops",
     "masked_mlps",
@@ -138,6 +139,19 @@ def kernel_ops(backend: str, device: torch.device) -> ModuleType:
     return kernels
 
 
+def check_maskable_mlp(mlp: MLP, who: str) -> None:
+    """What a module that computes a subset of ``mlp``'s neurons needs (``who`` names it in the
+    error): no biases (the Llama family), and nothing at the down projection's input, since it
+    masks act(gate x) * (up x) itself."""
+    if any(p.bias is not None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        raise ValueError(f"{who} supports bias-free MLPs (the Llama family); this MLP has biases.")
+    if not isinstance(mlp.down_in_act, nn.Identity):
+        raise ValueError(
+            f"{who} masks act(gate x) itself and cannot keep a module at the down projection's "
+            "input; take it out first (minisparse.sparsity.remove_thresholds_)."
+        )
+
+
 class SparseMLP(nn.Module):
     """A gated MLP that reads only the weights of its active neurons.
 
@@ -184,15 +198,7 @@ class SparseMLP(nn.Module):
             )
         if threshold is not None and not threshold >= 0:
             raise ValueError(f"threshold must be a number >= 0, got {threshold}.")
-        if any(p.bias is not None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            raise ValueError(
-                "SparseMLP supports bias-free MLPs (the Llama family); this MLP has biases."
-            )
-        if not isinstance(mlp.down_in_act, nn.Identity):
-            raise ValueError(
-                "SparseMLP masks act(gate x) itself and cannot keep a module at the down "
-                "projection's input; take it out first (minisparse.sparsity.remove_thresholds)."
-            )
+        check_maskable_mlp(mlp, "SparseMLP")
         self.int8 = is_int8_mlp(mlp)
         self.backend = backend
         device = (mlp.gate_proj.q if self.int8 else mlp.gate_proj.weight).device
