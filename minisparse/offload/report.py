@@ -5,8 +5,10 @@
 The budget is a share of the model's FFN bytes (0.3 = the fast device holds 30 % of them).
 Frequencies come from the calibration split of the default corpus, placements are made on
 them, and every load and speed is read on the held-out split. The slow device is this CPU,
-measured; the fast device is the named GPU's specification: speeds are **modelled**
-(``minisparse.offload.time_model``). The notebook of chapter 08 calls ``offload_report`` too.
+measured and checked against this model's own CPU decode (``offload.calibrate``: the error
+is reported, and the fixed cost per call is solved from the dense step); the fast device is
+the named GPU's specification: speeds are **modelled** (``minisparse.offload.time_model``).
+The notebook of chapter 08 calls ``offload_report`` too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from . import placement as O
 from . import time_model as T
+from .calibrate import calibrate, check_cpu_model
 
 __all__ = [
     "Profiles",
@@ -120,11 +123,18 @@ def format_report(r: dict[str, Any]) -> str:
         f"slow device (measured): {cpu['name']}, {cpu['bandwidth_gbs']:.1f} GB/s, "
         f"{cpu['call_us']:.0f} us per call",
         f"fast device (spec, modelled): {gpu['name']}, {gpu['spec']}",
-        "modelled tokens/s at this budget (held-out frequencies):",
     ]
+    for c in r.get("cpu_checks", []):
+        lines.append(
+            f"  checked on this CPU's decode: {c['label']}: measured {c['measured_tok_s']:.1f} "
+            f"tok/s, model error {c['error']:+.0%} (kernel fit), {c['calibrated_error']:+.0%} "
+            "(calibrated)"
+        )
+    lines.append("modelled tokens/s at this budget (held-out frequencies):")
     for name, tok_s in r["modelled_tok_s"].items():
         load = r["modelled_fast_load"][name]
-        load_text = "" if load != load else f"   fast-device load {load:.1%}"  # NaN: dense
+        dense = load is None or load != load  # NaN (None once through JSON): a dense policy
+        load_text = "" if dense else f"   fast-device load {load:.1%}"
         lines.append(f"  {name:30s} {tok_s:9.1f}{load_text}")
     return "\n".join(lines)
 
@@ -183,16 +193,22 @@ def run(args: argparse.Namespace) -> int:
             f"give at least {group_bytes / (shape.layers * shape.ffn * shape.neuron_bytes):.1e}."
         )
     model, p = profiles(base, tokenizer, args.windows)
+    fitted = T.measure_cpu()
+    checks = check_cpu_model(model, tokenizer, p.thresholds, fitted)
+    cpu = calibrate(fitted, checks[0])
     report = offload_report(
         p,
         T.shape_of(model),
         args.budget,
         args.policy,
-        T.measure_cpu(),
+        cpu,
         T.check_gpu(args.gpu),
         args.min_per_layer,
         args.group_size,
     )
+    report["cpu_checks"] = [
+        {**asdict(c), "error": c.error, "calibrated_error": c.against(cpu).error} for c in checks
+    ]
     report["machine"] = machine().as_dict()
     print(json.dumps(finite_json(report), allow_nan=False) if args.json else format_report(report))
     return 0
