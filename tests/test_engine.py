@@ -312,3 +312,27 @@ def test_a_registered_method_and_draft_are_engine_options_at_once():
     finally:
         SPARSITY_METHODS.pop("half", None)
         DRAFTS.pop("one-layer", None)
+
+
+def test_fastest_and_pareto_ties_follow_the_speed_ranges():
+    from minisparse.bench.engine import EngineRow, fastest, not_apart, pareto, pareto_ties
+
+    rows = pareto(
+        [
+            EngineRow("dense", "", 10.0, 1.0, (1.0, 1.0), 5.0, 12.0, 50.0, 1.0, True),
+            EngineRow("int8", "", 36.0, 3.6, (3.4, 3.85), 5.0, 12.1, 50.0, 1.0, True),
+            # int4: faster by its median, worse, and its range overlaps int8's
+            EngineRow("int4", "", 39.0, 3.9, (3.8, 3.9), 5.0, 13.0, 50.0, 1.0, True),
+            EngineRow("cats", "", 11.0, 1.1, (1.05, 1.15), 5.0, 16.0, 50.0, 1.0, True),
+        ]
+    )
+    assert [r.name for r in fastest(rows)] == ["int4", "int8"]
+    assert [r.name for r in not_apart(rows, rows[3])] == ["cats"]
+    assert [(a.name, b.name) for a, b in pareto_ties(rows)] == [("int8", "int4")]
+    rows[1].ratio_range = (3.4, 3.7)  # now measurably slower than int4
+    assert [r.name for r in fastest(rows)] == ["int4"] and pareto_ties(rows) == []
+
+
+def test_the_engine_names_the_int4_block_size():
+    engine = E.build(model(), TOK, E.EngineConfig(weights="int4"), CALIB)
+    assert "int4 weights, blocks of 32" in engine.description

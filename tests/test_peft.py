@@ -197,9 +197,12 @@ def test_houlsby_adapter_is_a_residual_bottleneck_starting_as_identity(seed):
 
 def test_adapter_decode_cost_reports_both_speeds():
     result = adapter_decode_cost(
-        tiny_model(), IdTokenizer(), 4, prompt="1 2 3", new_tokens=3, repeats=1
+        tiny_model(), IdTokenizer(), 4, prompt="1 2 3", new_tokens=3, repeats=3
     )
     assert result["plain_tok_s"] > 0 and result["adapters_tok_s"] > 0 and result["slowdown"] > 0
+    ratio = result["speed_ratio"]  # adapter / plain speed per round, within the rounds' range
+    assert 0 < ratio.low <= ratio.mid <= ratio.high
+    assert ratio.mid == pytest.approx(1 / result["slowdown"])
     assert result["adapter_params"] == 2 * 2 * 4 * 48 and result["same_tokens"] is True
 
 

@@ -31,6 +31,7 @@ import torch
 from ..core.checks import check_count
 from ..engine.compose import Engine, EngineConfig, build
 from ..engine.pareto import pareto_front
+from ..measure.compare import Interval
 from ..measure.machine import machine
 from ..measure.timing import interleaved_decode_steps
 from .prompts import PROMPTS
@@ -41,8 +42,12 @@ __all__ = [
     "add_arguments",
     "bench_engine",
     "engine_perplexity",
+    "fastest",
+    "not_apart",
     "pareto",
+    "pareto_ties",
     "run",
+    "speed_interval",
 ]
 
 CONFIGS: dict[str, EngineConfig] = {
@@ -89,6 +94,36 @@ def pareto(rows: list[EngineRow]) -> list[EngineRow]:
     for r, on_front in zip(rows, front, strict=True):
         r.pareto = on_front
     return rows
+
+
+def speed_interval(row: EngineRow) -> Interval:
+    """A row's speed against dense: the median of the rounds within their range."""
+    return Interval(row.ratio_to_dense, *row.ratio_range)
+
+
+def not_apart(rows: list[EngineRow], row: EngineRow) -> list[EngineRow]:
+    """``row`` and every row whose speed range overlaps its own (``minisparse.measure.compare``):
+    none of them is measurably faster or slower than ``row``."""
+    return [r for r in rows if r is row or speed_interval(r).overlaps(speed_interval(row))]
+
+
+def fastest(rows: list[EngineRow]) -> list[EngineRow]:
+    """The fastest row by its median and every row not measurably slower than it, fastest
+    first: one row when the run tells the fastest apart, several when it does not."""
+    best = max(rows, key=lambda r: r.ratio_to_dense)
+    return sorted(not_apart(rows, best), key=lambda r: -r.ratio_to_dense)
+
+
+def pareto_ties(rows: list[EngineRow]) -> list[tuple[EngineRow, EngineRow]]:
+    """Pairs of Pareto rows (``pareto`` marks them from medians) whose speed ranges overlap:
+    which of the two is faster is not measured, so the front's order between them is not."""
+    front = [r for r in rows if r.pareto]
+    return [
+        (a, b)
+        for i, a in enumerate(front)
+        for b in front[i + 1 :]
+        if speed_interval(a).overlaps(speed_interval(b))
+    ]
 
 
 def bench_engine(

@@ -276,7 +276,9 @@ def build(
     if config.weights != "fp32":
         if not neurons:
             model = low_bit(model, config.weights)
-        parts.append(f"{config.weights} weights (ch. 09)")
+        fmt = WEIGHT_FORMATS[config.weights]
+        grid = f"blocks of {fmt.group_size}" if fmt.group_size else "a scale per row"
+        parts.append(f"{config.weights} weights, {grid} (ch. 09)")
     draft = None if kind is None else make_draft(kind.name, model, calibration)
     if draft is not None:
         parts.append(f"{kind.name} draft, gamma {config.gamma} (ch. 10)")  # type: ignore[union-attr]

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..core.checks import check_count
 from ..core.generate import generate
 from ..core.model import Transformer
+from ..measure.compare import spread
 from ..measure.timing import interleaved_decode
 
 __all__ = ["HoulsbyAdapter", "adapter_decode_cost", "add_adapters_"]
@@ -81,12 +82,14 @@ def adapter_decode_cost(
     new_tokens: int = 16,
     repeats: int = 3,
     progress: bool = False,
-) -> dict[str, float | bool]:
+) -> dict[str, Any]:
     """Greedy torch decode speed of ``model`` and of a copy with adapters, timed in turn.
 
     ``model`` (left unchanged) stands for the merged LoRA model: its projections are plain, so
     it decodes at the base model's cost. Returns ``plain_tok_s``, ``adapters_tok_s``,
     ``slowdown`` (the paired median of adapter / plain seconds per token, 1.0 = free),
+    ``speed_ratio`` (adapter / plain speed per round: its median within the rounds' range, a
+    ``minisparse.measure.compare.Interval`` for ``verdict``),
     ``adapter_params`` and ``same_tokens`` (the adapters start as the identity, so greedy
     decoding must give the same tokens). Both run the torch modules (``compiled=False``) after
     one warm-up round (``minisparse.measure.timing``).
@@ -107,6 +110,7 @@ def adapter_decode_cost(
         "plain_tok_s": speeds["plain"].tok_s,
         "adapters_tok_s": speeds["adapters"].tok_s,
         "slowdown": speeds["plain"].paired_speedup(speeds["adapters"]),
+        "speed_ratio": spread(speeds["adapters"].round_speedups(speeds["plain"])),
         "adapter_params": params,
         "same_tokens": speeds["plain"].tokens == speeds["adapters"].tokens,
     }
