@@ -204,3 +204,29 @@ def test_per_token_rounds_divide_each_round_by_its_tokens(monkeypatch):
     counts = iter([4, 2, 8])
     rounds = timing.per_token_rounds({"a": lambda: next(counts)}, repeats=2, warmup=1)
     assert rounds == {"a": [1.0, 0.5]}  # 2 s / 2 tokens, 4 s / 8; the warm-up's 4 dropped
+
+
+def test_sparse_decode_speed_keeps_the_rounds_of_both_runs(monkeypatch):
+    """bench_decode_sparse hands back each run's seconds per token per round, and the speedup of
+    each round is dense / sparse seconds of that round."""
+    from types import SimpleNamespace
+
+    from minisparse.bench import decode
+    from minisparse.core import generate as gen_module
+    from minisparse.sparse import swap
+
+    monkeypatch.setattr(gen_module, "generate", lambda *a, **k: [1, 2])
+    monkeypatch.setattr(swap, "swap_mlps", lambda model, mlps: None)
+    monkeypatch.setattr(swap, "mean_density", lambda mlps: 0.5)
+
+    def fake_interleaved(runs, repeats, warmup, progress):
+        tokens = {name: run() for name, run in runs.items()}
+        rounds = {"dense": [2.0, 4.0, 3.0], "sparse": [1.0, 4.0, 2.0]}
+        return {n: timing.ModelSpeed(1 / rounds[n][2], tokens[n], rounds[n]) for n in runs}
+
+    monkeypatch.setattr(decode, "interleaved_decode", fake_interleaved)
+    model = SimpleNamespace(layers=[SimpleNamespace(mlp=None)])
+    speed = decode.bench_decode_sparse(model, None, "p", [None], max_new_tokens=2, repeats=3)
+    assert speed.dense_rounds == [2.0, 4.0, 3.0] and speed.sparse_rounds == [1.0, 4.0, 2.0]
+    assert speed.round_speedups() == pytest.approx([2.0, 1.0, 1.5])
+    assert speed.mean_density == 0.5 and speed.same_tokens

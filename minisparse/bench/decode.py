@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +160,16 @@ class DecodeSpeed:
     sparse_tok_s: float
     mean_density: float  # fraction of neurons the sparse MLPs read per decode step
     same_tokens: bool
+    dense_rounds: list[float] = field(default_factory=list)  # seconds per token, one per round
+    sparse_rounds: list[float] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
         return self.sparse_tok_s / self.dense_tok_s
+
+    def round_speedups(self) -> list[float]:
+        """Dense / sparse seconds per token, one value per round (the two ran back to back)."""
+        return [d / s for d, s in zip(self.dense_rounds, self.sparse_rounds, strict=True)]
 
 
 def bench_decode_sparse(
@@ -210,6 +216,8 @@ def bench_decode_sparse(
         sparse_tok_s=speeds["sparse"].tok_s,
         mean_density=statistics.mean(densities),
         same_tokens=speeds["dense"].tokens == speeds["sparse"].tokens,
+        dense_rounds=list(speeds["dense"].rounds),
+        sparse_rounds=list(speeds["sparse"].rounds),
     )
 
 
