@@ -157,6 +157,22 @@ def test_quality_counts_perplexity_and_agreement_like_a_direct_computation():
     assert q.neuron_density == 35 / 70 and q.head_density == 3 / 4
 
 
+def test_quality_keeps_each_windows_nll_and_its_ratio_to_dense():
+    model, tokens = model_and_tokens(6, relu=True)
+    setting = C.Setting(mlp=0.5)
+    (q,) = C.oracle_quality(model, tokens, [setting], batch_size=4, progress=False)
+    assert len(q.window_nll) == len(q.dense_window_nll) == tokens.shape[0]
+    # windows are equally long, so the mean of their NLLs is the perplexity's
+    assert math.exp(sum(q.window_nll) / len(q.window_nll)) == pytest.approx(q.ppl, rel=1e-6)
+    dense_mean = sum(q.dense_window_nll) / len(q.dense_window_nll)
+    assert math.exp(dense_mean) == pytest.approx(q.dense_ppl, rel=1e-6)
+    ratio = q.ratio()
+    assert ratio.mid == pytest.approx(q.ppl / q.dense_ppl, rel=1e-6)
+    assert ratio.low <= ratio.mid <= ratio.high
+    (same,) = C.oracle_quality(model, tokens, [C.Setting(mlp=0.0)], progress=False)
+    assert same.ratio().mid == pytest.approx(1.0) and same.ratio().low == pytest.approx(1.0)
+
+
 def test_overall_sparsity_by_hand():
     model, _ = model_and_tokens()
     c = model.config  # dim 40, 4 heads of 10, 2 KV heads, ffn 70

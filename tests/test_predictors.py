@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -188,6 +190,10 @@ def test_predicted_masks_equal_the_sparse_kernel_path(trained):
     quality = P.predicted_quality(model, predictors, windows(8, 4), heads=True)
     assert quality["true"]["density"] < 1 and quality["dense"]["agreement"] == 1.0
     assert set(quality) == {"dense", "true", "predicted", "oracle"}
+    for mode in quality.values():  # one mean NLL per window, whose mean gives the perplexity
+        assert len(mode["window_nll"]) == 4
+        mean = sum(mode["window_nll"]) / 4
+        assert math.exp(mean) == pytest.approx(mode["ppl"], rel=1e-6)
 
 
 def test_save_load_round_trip(trained, tmp_path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -188,8 +189,9 @@ def predicted_quality(
     modes: Sequence[str] = ("true", "predicted", "oracle"),
     heads: bool = False,
     batch_size: int = 4,
-) -> dict[str, dict[str, float]]:
-    """End to end: perplexity, agreement with dense and kept-neuron density for each mode.
+) -> dict[str, dict[str, Any]]:
+    """End to end: perplexity, agreement with dense and kept-neuron density for each mode, and
+    ``window_nll``, each window's mean NLL (for ``minisparse.io.eval.perplexity_ratio``).
 
     ``heads``: also drop the heads the head predictors leave out (in every mode).
     """
@@ -205,13 +207,17 @@ def predicted_quality(
             with predicted_masks_applied(model, predictors, m, heads) as kept:
                 tallies[m].add(model(tokens), tokens, reference)
             density[m].append(float(torch.stack(kept).mean()))
-    out = {"dense": {"ppl": tallies["dense"].ppl, "agreement": 1.0, "density": 1.0}}
+    dense = tallies["dense"]
+    out: dict[str, dict[str, Any]] = {
+        "dense": {"ppl": dense.ppl, "agreement": 1.0, "density": 1.0, "window_nll": dense.windows}
+    }
     for m in modes:
         t = tallies[m]
         out[m] = {
             "ppl": t.ppl,
             "agreement": t.agree / t.count,
             "density": sum(density[m]) / len(density[m]),
+            "window_nll": t.windows,
         }
     return out
 

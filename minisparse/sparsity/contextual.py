@@ -46,6 +46,8 @@ from tqdm.auto import tqdm
 
 from ..core.hooks import capture_inputs
 from ..core.model import Transformer
+from ..io.eval import perplexity_ratio
+from ..measure.compare import Interval
 from . import check_sparsity, head_norms, record
 
 
@@ -225,10 +227,19 @@ class Quality:
     neuron_density: float  # share of neurons kept per layer
     head_density: float  # share of heads kept per layer
     overall: float  # share of attention + MLP weights not read (``overall_sparsity``)
+    window_nll: tuple[float, ...] = ()  # mean NLL of each held-out window, masked model
+    dense_window_nll: tuple[float, ...] = ()  # the same windows, dense model
 
     @property
     def ppl_increase(self) -> float:
         return self.ppl / self.dense_ppl - 1
+
+    def ratio(self, rounds: int = 2000, seed: int = 0) -> Interval:
+        """Perplexity over the dense model's on the same windows, with its 95 % paired
+        bootstrap interval (``minisparse.io.eval.perplexity_ratio``)."""
+        nll = torch.tensor(self.window_nll, dtype=torch.float64)
+        dense = torch.tensor(self.dense_window_nll, dtype=torch.float64)
+        return perplexity_ratio(nll, dense, rounds, seed)
 
 
 class Tally:
@@ -236,15 +247,14 @@ class Tally:
 
     def __init__(self) -> None:
         self.nll, self.agree, self.count = 0.0, 0, 0
+        self.windows: list[float] = []  # mean NLL of each window (row of tokens)
 
     def add(self, logits: Tensor, tokens: Tensor, reference: Tensor) -> None:
         logits = logits[:, :-1].float()
         targets = tokens[:, 1:]
-        self.nll += float(
-            F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-            )
-        )
+        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        self.nll += float(per_token.sum())
+        self.windows += per_token.double().mean(1).tolist()
         self.agree += int((logits.argmax(-1) == reference).sum())
         self.count += targets.numel()
 
@@ -306,6 +316,8 @@ def oracle_quality(
                 neurons,
                 heads,
                 overall_sparsity(model, neurons, heads),
+                tuple(tally.windows),
+                tuple(dense.windows),
             )
         )
     return results
