@@ -481,6 +481,8 @@ def test_quant_bench_on_a_tiny_model():
     assert rows[1].bytes_ratio == pytest.approx(2.0) and rows[2].bytes_ratio > 2.5
     assert rows[3].bytes_ratio > rows[2].bytes_ratio
     assert all(r.tok_s > 0 and r.linear_ms > 0 for r in rows)
+    assert all(len(r.rounds) == 1 and r.tok_s == pytest.approx(1 / r.rounds[0]) for r in rows)
+    assert rows[2].round_speedups(rows[0]) == pytest.approx([rows[0].rounds[0] / rows[2].rounds[0]])
     paths = {f"layers.0.{p}" for p in ("attn.q_proj", "attn.o_proj", "mlp.down_proj")}
     assert paths < set(linear["int4"].per_call) and "lm_head" in linear["int4"].per_call
 

@@ -32,7 +32,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,12 @@ class QuantSpeedRow:
     linear_ms: float  # every linear layer once, swept in decode order
     other_ms: float  # the rest of the step
     same_tokens: bool  # the same greedy tokens as float32
+    rounds: list[float] = field(default_factory=list)  # seconds per token, one per repeat
+
+    def round_speedups(self, reference: QuantSpeedRow) -> list[float]:
+        """Reference / own seconds per token, one per repeat: the variants decoded in turn
+        within each repeat, so a pair shares the machine's state of that moment."""
+        return [ref / own for ref, own in zip(reference.rounds, self.rounds, strict=True)]
 
 
 def bench_quant(
@@ -215,6 +221,7 @@ def bench_quant(
                 linear_ms=linear[name].per_token * 1e3,
                 other_ms=(step - linear[name].per_token) * 1e3,
                 same_tokens=speeds[name].tokens == speeds["fp32"].tokens,
+                rounds=list(speeds[name].rounds),
             )
         )
     return rows, linear
