@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_model
 from test_sparse_decode import CharTokenizer
 
 import minisparse.io.loading
+from conftest import tiny_model
 from minisparse.cli import main
 from minisparse.engine.compose import step_bytes
 from minisparse.offload import report as R
@@ -72,6 +72,7 @@ def test_minisparse_offload_reports_the_check_of_its_cpu(monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     dense, sparse = report["cpu_checks"]
     assert dense["calibrated_error"] == pytest.approx(0, abs=1e-9)
+    assert sparse["step_bytes"] < dense["step_bytes"] and sparse["measured_tok_s"] > 0
     assert report["cpu_measured"]["call_us"] != CPU.call_us  # the calibrated CPU is used
     text = R.format_report({**report, "machine": None})
     assert "checked on this CPU's decode" in text and "(calibrated)" in text
