@@ -171,6 +171,8 @@ def test_quality_keeps_each_windows_nll_and_its_ratio_to_dense():
     assert ratio.low <= ratio.mid <= ratio.high
     (same,) = C.oracle_quality(model, tokens, [C.Setting(mlp=0.0)], progress=False)
     assert same.ratio().mid == pytest.approx(1.0) and same.ratio().low == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no per-window NLLs"):
+        C.Quality(**{**vars(same), "window_nll": ()}).ratio()
 
 
 def test_overall_sparsity_by_hand():

@@ -331,6 +331,8 @@ def test_fastest_and_pareto_ties_follow_the_speed_ranges():
     assert [(a.name, b.name) for a, b in pareto_ties(rows)] == [("int8", "int4")]
     rows[1].ratio_range = (3.4, 3.7)  # now measurably slower than int4
     assert [r.name for r in fastest(rows)] == ["int4"] and pareto_ties(rows) == []
+    with pytest.raises(ValueError, match="at least one row"):
+        fastest([])
 
 
 def test_the_engine_names_the_int4_block_size():

@@ -47,8 +47,9 @@ def test_a_step_faster_than_its_bytes_at_the_bandwidth_refits_the_bandwidth():
 
 
 def test_a_step_check_refuses_what_is_not_a_step():
-    with pytest.raises(ValueError, match="positive tok/s and bytes"):
-        step_check("dense", 5e8, 60, 0.0, CPU)
+    for tok_s, calls in ((0.0, 60), (float("nan"), 60), (80.0, 0)):
+        with pytest.raises(ValueError, match="finite positive tok/s"):
+            step_check("dense", 5e8, calls, tok_s, CPU)
 
 
 def test_the_check_measures_dense_and_sparse_decode_of_the_same_model():
@@ -73,6 +74,11 @@ def test_minisparse_offload_reports_the_check_of_its_cpu(monkeypatch, capsys):
     dense, sparse = report["cpu_checks"]
     assert dense["calibrated_error"] == pytest.approx(0, abs=1e-9)
     assert sparse["step_bytes"] < dense["step_bytes"] and sparse["measured_tok_s"] > 0
-    assert report["cpu_measured"]["call_us"] != CPU.call_us  # the calibrated CPU is used
+    calls = dense["calls"]
+    measured = step_check("d", dense["step_bytes"], calls, dense["measured_tok_s"], CPU)
+    expected = calibrate(CPU, measured)
+    assert report["cpu_measured"]["call_us"] == pytest.approx(expected.call_us)  # it is used
+    again = step_check("s", sparse["step_bytes"], calls, sparse["measured_tok_s"], expected)
+    assert sparse["calibrated_error"] == pytest.approx(again.error)
     text = R.format_report({**report, "machine": None})
     assert "checked on this CPU's decode" in text and "(calibrated)" in text

@@ -110,6 +110,8 @@ def not_apart(rows: list[EngineRow], row: EngineRow) -> list[EngineRow]:
 def fastest(rows: list[EngineRow]) -> list[EngineRow]:
     """The fastest row by its median and every row not measurably slower than it, fastest
     first: one row when the run tells the fastest apart, several when it does not."""
+    if not rows:
+        raise ValueError("fastest needs at least one row; run bench_engine first.")
     best = max(rows, key=lambda r: r.ratio_to_dense)
     return sorted(not_apart(rows, best), key=lambda r: -r.ratio_to_dense)
 

@@ -17,10 +17,18 @@ bytes), and
 step's equation for c instead (one measured point, one unknown), so that the model reproduces
 the measured dense decode; the sparse step is then an independent check of the calibrated model.
 Where even c = 0 is slower than measured, BW is the one refit instead: bytes / t.
+
+What c then holds is everything in the dense step that is not weight bytes at BW: attention's
+arithmetic, the KV cache, the LM head's call, the loop around the calls. The time model charges
+it to every call, the cold FFN calls of a hybrid step included, which is an assumption. And the
+sparse step checked here is the one this machine runs, thresholds on the gate, which reads the
+gate in full; the time model's rows assume predictors, which skip all three matrices of an
+inactive neuron.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,10 +70,10 @@ def step_check(
     label: str, step_bytes: float, calls: int, measured_tok_s: float, cpu: Processor
 ) -> StepCheck:
     """A measured step beside ``cpu``'s model of it: ``calls`` fixed costs plus the bytes."""
-    if measured_tok_s <= 0 or step_bytes <= 0 or calls < 0:
+    if not (math.isfinite(measured_tok_s) and measured_tok_s > 0 and step_bytes > 0 and calls > 0):
         raise ValueError(
-            f"A step check needs positive tok/s and bytes and calls >= 0, got {measured_tok_s}, "
-            f"{step_bytes} and {calls}."
+            f"A step check needs finite positive tok/s, positive bytes and at least one call, "
+            f"got {measured_tok_s}, {step_bytes} and {calls}."
         )
     modelled = 1.0 / cpu.seconds(step_bytes, calls)
     return StepCheck(label, step_bytes, calls, measured_tok_s, modelled)
@@ -80,7 +88,7 @@ def calibrate(cpu: Processor, dense: StepCheck) -> Processor:
     t = 1.0 / dense.measured_tok_s
     streaming = dense.step_bytes / (cpu.bandwidth_gbs * 1e9)
     name = f"{cpu.name}, calibrated on this model's dense decode"
-    if t >= streaming and dense.calls > 0:
+    if t >= streaming:
         return replace(cpu, name=name, call_us=(t - streaming) / dense.calls * 1e6)
     return replace(cpu, name=name, call_us=0.0, bandwidth_gbs=dense.step_bytes / t / 1e9)
 

@@ -237,6 +237,11 @@ class Quality:
     def ratio(self, rounds: int = 2000, seed: int = 0) -> Interval:
         """Perplexity over the dense model's on the same windows, with its 95 % paired
         bootstrap interval (``minisparse.io.eval.perplexity_ratio``)."""
+        if not self.window_nll or len(self.window_nll) != len(self.dense_window_nll):
+            raise ValueError(
+                "This Quality has no per-window NLLs for both models; make it with "
+                "oracle_quality, which records them."
+            )
         nll = torch.tensor(self.window_nll, dtype=torch.float64)
         dense = torch.tensor(self.dense_window_nll, dtype=torch.float64)
         return perplexity_ratio(nll, dense, rounds, seed)
