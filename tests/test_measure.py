@@ -105,3 +105,26 @@ def test_the_paired_ratio_tells_apart_what_separate_intervals_cannot():
     assert same.low == same.mid == same.high == 1.0
     with pytest.raises(ValueError, match="same windows"):
         E.perplexity_ratio(hard, hard[:5])
+
+
+def test_token_nlls_are_the_next_token_negative_log_likelihoods():
+    from minisparse.io.eval import token_nlls
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 7, generator=gen)
+    tokens = torch.randint(0, 7, (2, 5), generator=gen)
+    log_p = torch.log_softmax(logits.double(), dim=-1)
+    expected = torch.stack(
+        [torch.stack([-log_p[b, t, tokens[b, t + 1]] for t in range(4)]) for b in range(2)]
+    )
+    got = token_nlls(logits, tokens)
+    assert got.shape == (2, 4)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_paired_ratios_divide_each_rounds_pair():
+    from minisparse.measure.timing import paired_ratios
+
+    assert paired_ratios([2.0, 3.0, 8.0], [1.0, 4.0, 2.0]) == [2.0, 0.75, 4.0]
+    with pytest.raises(ValueError):
+        paired_ratios([1.0], [1.0, 2.0])

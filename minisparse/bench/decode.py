@@ -32,7 +32,7 @@ import torch
 
 from ..core.model import check_count
 from ..measure.machine import machine
-from ..measure.timing import ModelSpeed, interleaved_decode
+from ..measure.timing import ModelSpeed, interleaved_decode, paired_ratios
 from ..quant.formats import WEIGHT_FORMATS
 from .llama_compare import LlamaCppResult, llama_cpp_decode, print_llama_cpp_row
 
@@ -169,7 +169,7 @@ class DecodeSpeed:
 
     def round_speedups(self) -> list[float]:
         """Dense / sparse seconds per token, one value per round (the two ran back to back)."""
-        return [d / s for d, s in zip(self.dense_rounds, self.sparse_rounds, strict=True)]
+        return paired_ratios(self.dense_rounds, self.sparse_rounds)
 
 
 def bench_decode_sparse(

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..core.model import Transformer, check_count, use_output_major_weights
 from ..measure.machine import machine, machine_bandwidth
-from ..measure.timing import interleaved_medians, roofline_seconds
+from ..measure.timing import interleaved_medians, paired_ratios, roofline_seconds
 from ..quant.apply import QuantSpec, quantize_model, streamed_bytes
 from ..quant.formats import WEIGHT_FORMATS
 from .decode import bench_decode_models
@@ -181,7 +181,7 @@ class QuantSpeedRow:
     def round_speedups(self, reference: QuantSpeedRow) -> list[float]:
         """Reference / own seconds per token, one per repeat: the variants decoded in turn
         within each repeat, so a pair shares the machine's state of that moment."""
-        return [ref / own for ref, own in zip(reference.rounds, self.rounds, strict=True)]
+        return paired_ratios(reference.rounds, self.rounds)
 
 
 def bench_quant(

@@ -32,6 +32,7 @@ __all__ = [
     "perplexity",
     "perplexity_interval",
     "perplexity_ratio",
+    "token_nlls",
     "window_nlls",
     "windows",
 ]
@@ -51,6 +52,12 @@ def windows(token_ids: Tensor, seq_len: int) -> Tensor:
 
 
 @torch.inference_mode()
+def token_nlls(logits: Tensor, tokens: Tensor) -> Tensor:
+    """The NLL (nats) of each next token: ``logits`` [B, T, V] of ``tokens`` [B, T] predict
+    tokens[:, 1:], so the result is [B, T - 1] (float32 or wider)."""
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), tokens[:, 1:], reduction="none")
+
+
 def window_nlls(
     model: torch.nn.Module,
     token_ids: Tensor,
@@ -66,10 +73,7 @@ def window_nlls(
         batches.split(batch_size), desc="perplexity", disable=not progress, leave=False
     ):
         chunk = chunk.to(device)
-        logits = model(chunk)[:, :-1].float()
-        targets = chunk[:, 1:]
-        loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        out.append(loss.double().mean(1).cpu())
+        out.append(token_nlls(model(chunk), chunk).double().mean(1).cpu())
     return torch.cat(out)
 
 

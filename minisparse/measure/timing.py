@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "interleaved_per_token",
     "interleaved_times",
     "median_time",
+    "paired_ratios",
     "per_token_rounds",
     "read_bandwidth",
     "roofline_seconds",
@@ -157,6 +158,11 @@ def per_token_rounds(
     }
 
 
+def paired_ratios(reference: Sequence[float], own: Sequence[float]) -> list[float]:
+    """Reference / own time, round by round: the speedup of each round's back-to-back pair."""
+    return [ref / mine for ref, mine in zip(reference, own, strict=True)]
+
+
 @dataclass
 class ModelSpeed:
     """Greedy decode speed of one variant, its tokens, and its seconds per token per round."""
@@ -167,7 +173,7 @@ class ModelSpeed:
 
     def round_speedups(self, reference: ModelSpeed) -> list[float]:
         """Reference / own seconds per token, one value per round."""
-        return [ref / own for ref, own in zip(reference.rounds, self.rounds, strict=True)]
+        return paired_ratios(reference.rounds, self.rounds)
 
     def paired_speedup(self, reference: ModelSpeed) -> float:
         """Median over rounds of reference / own seconds per token. The two ran back to back in

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from ..core.hooks import capture_inputs
 from ..core.model import Transformer
-from ..io.eval import perplexity_ratio
+from ..io.eval import perplexity_ratio, token_nlls
 from ..measure.compare import Interval
 from . import check_sparsity, head_norms, record
 
@@ -255,13 +255,11 @@ class Tally:
         self.windows: list[float] = []  # mean NLL of each window (row of tokens)
 
     def add(self, logits: Tensor, tokens: Tensor, reference: Tensor) -> None:
-        logits = logits[:, :-1].float()
-        targets = tokens[:, 1:]
-        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        per_token = token_nlls(logits, tokens)
         self.nll += float(per_token.sum())
         self.windows += per_token.double().mean(1).tolist()
-        self.agree += int((logits.argmax(-1) == reference).sum())
-        self.count += targets.numel()
+        self.agree += int((logits[:, :-1].argmax(-1) == reference).sum())
+        self.count += per_token.numel()
 
     @property
     def ppl(self) -> float:
