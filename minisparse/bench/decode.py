@@ -32,7 +32,7 @@ import torch
 
 from ..core.model import check_count
 from ..measure.machine import machine
-from ..measure.timing import ModelSpeed, interleaved_decode, paired_ratios
+from ..measure.timing import DECODE_PROMPT, ModelSpeed, interleaved_decode, paired_ratios
 from ..quant.formats import WEIGHT_FORMATS
 from .llama_compare import LlamaCppResult, llama_cpp_decode, print_llama_cpp_row
 
@@ -53,7 +53,7 @@ __all__ = [
     "run",
 ]
 
-PROMPT = "The Python language reference describes the syntax and"
+PROMPT = DECODE_PROMPT
 
 
 @dataclass

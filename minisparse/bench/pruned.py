@@ -31,7 +31,7 @@ import torch
 
 from ..core.model import Transformer, check_count
 from ..measure.machine import machine, machine_bandwidth
-from ..measure.timing import interleaved_decode_steps, roofline_seconds
+from ..measure.timing import DECODE_PROMPT, interleaved_decode_steps, roofline_seconds
 from ..pruning.masks import nm_mask
 from ..pruning.nm_linear import NM_TARGETS, to_nm_
 from ..quant.apply import quantize_model, streamed_bytes
@@ -49,7 +49,7 @@ __all__ = [
     "run",
 ]
 
-PROMPT = "The Python language reference describes the syntax and"
+PROMPT = DECODE_PROMPT
 NM_VARIANTS = ("dense fp32", "2:4 mlp fp32", "2:4 all fp32", "2:4 mlp int8", "dense int8")
 
 

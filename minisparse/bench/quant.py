@@ -41,7 +41,7 @@ from torch import nn
 
 from ..core.model import Transformer, check_count, use_output_major_weights
 from ..measure.machine import machine, machine_bandwidth
-from ..measure.timing import interleaved_medians, paired_ratios, roofline_seconds
+from ..measure.timing import DECODE_PROMPT, interleaved_medians, paired_ratios, roofline_seconds
 from ..quant.apply import QuantSpec, quantize_model, streamed_bytes
 from ..quant.formats import WEIGHT_FORMATS
 from .decode import bench_decode_models
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 VARIANTS = ("fp32", "bf16", *(n for n, f in WEIGHT_FORMATS.items() if f.bits is not None))
-PROMPT = "The Python language reference describes the syntax and"
+PROMPT = DECODE_PROMPT
 
 
 def make_variants(

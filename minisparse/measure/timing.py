@@ -38,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 __all__ = [
+    "DECODE_PROMPT",
     "ModelSpeed",
     "copy_bandwidth",
     "interleaved_decode",
@@ -52,6 +53,10 @@ __all__ = [
     "roofline_seconds",
     "synchronize",
 ]
+
+
+#: The prompt every decode-speed measurement starts from (the benchmarks and chapter 08's check).
+DECODE_PROMPT = "The Python language reference describes the syntax and"
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

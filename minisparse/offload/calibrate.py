@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..measure.timing import DECODE_PROMPT
 from .time_model import Processor
 
 __all__ = ["StepCheck", "calibrate", "check_cpu_model", "step_check"]
@@ -100,19 +101,18 @@ def check_cpu_model(
     cpu: Processor,
     new_tokens: int = 32,
     repeats: int = 3,
-    prompt: str = "The Python language reference describes the syntax and",
+    prompt: str = DECODE_PROMPT,
 ) -> tuple[StepCheck, StepCheck]:
     """The dense and the sparse-MLP (``thresholds``) decode steps of ``model`` on this CPU,
     measured side by side in the compiled step without the prompt's prefill
     (``timing.interleaved_decode_steps``), each beside ``cpu``'s model of the bytes it reads."""
     from ..core.generate import generate
-    from ..engine.compose import sparse_model, step_bytes
+    from ..engine.compose import step_bytes
     from ..measure.timing import interleaved_decode_steps
-    from ..sparse.swap import using_mlps
+    from ..sparse.swap import sparse_mlps, using_mlps
 
-    sparse = sparse_model(model, thresholds, None, kernels=True)
     mlps = {"dense": [layer.mlp for layer in model.layers]}
-    mlps["sparse"] = [layer.mlp for layer in sparse.layers]
+    mlps["sparse"] = list(sparse_mlps(model, thresholds))  # over the model's own weights
 
     def decode(name: str) -> Any:
         def run(n: int) -> list[int]:
@@ -125,7 +125,7 @@ def check_cpu_model(
     speeds, _ = interleaved_decode_steps(runs, new_tokens, repeats, warmup=1, progress=False)
     calls = 2 * model.config.n_layers
     dense = step_check("all CPU, dense MLPs", step_bytes(model), calls, speeds["dense"].tok_s, cpu)
-    # the sparse MLPs recorded their decode steps' densities while they ran inside ``model``
-    share = step_bytes(sparse)
+    with using_mlps(model, mlps["sparse"]):  # their decode steps' densities, recorded as they ran
+        share = step_bytes(model)
     label = "all CPU, sparse MLPs"
     return dense, step_check(label, share, calls, speeds["sparse"].tok_s, cpu)
