@@ -20,10 +20,18 @@ row. Each block keeps its absmax c = max|w| (float32) and each weight the code o
 nearest to w / c (computed in float32); the way back is ŵ = c · level[code]. Cost: 4 bits a
 weight plus 32 / 64 = 0.5 bit of scale at block 64, 4.5 bits in all.
 
-**Double quantization** quantizes those scales in turn: subtract their mean (one float per
-tensor), cut them into blocks of 256 and store each as int8 with its own float32 absmax scale
-(symmetric, round to nearest). The paper stores the second level as FP8; int8 is used here for
-plainness, the same 8 bits. Cost: 4 + 8/64 + 32/(64 · 256) ≈ 4.127 bits a weight.
+**Double quantization** quantizes those scales in turn, to 8 bits each on a logarithmic grid:
+cut them into blocks of 256; each block keeps its largest scale M (float32), and each scale c
+the code q = 255 − round(log2(M / c) / h) in 1..255 (0 stands for an all-zero block), with one
+step h per tensor (float32) so that the smallest non-zero scale of the widest block gets code 1.
+The way back is ĉ = M · 2^(−(255 − q) h): never negative, never above M (no overflow), and off
+by at most a factor 2^(h/2) whatever the scales hold, an outlier of 1e38 included. The paper
+stores the second level as FP8 after subtracting the scales' mean; a linear int8 grid after the
+mean (the plain alternative) breaks on one outlier weight: its block's scale stretches the grid
+so that every other scale rounds to the mean or below it, negative, and the weights of those
+blocks flip sign. A log grid is an 8-bit float with a fine exponent and no mantissa: its error
+is relative, as an outlier needs. Cost: 4 + 8/64 + 32/(64 · 256) ≈ 4.127 bits a weight (plus
+the one step per tensor).
 
 ``NF4Linear`` keeps only the codes and (double-quantized) scales of its frozen weight and
 dequantizes it at every forward pass, then multiplies in float: QLoRA's base layer. The codes
@@ -61,6 +69,9 @@ __all__ = [
 ]
 
 DOUBLE_BLOCK = 256  # scales per second-level block (QLoRA's choice)
+LOG_CODES = 255  # the largest code of the second level (0: a zero scale)
+#: An NF4 weight's scale fields (``NF4Tensor``) and buffers (``NF4Linear``), in order.
+SCALE_FIELDS = ("absmax", "absmax_codes", "absmax_scales", "absmax_step")
 
 #: (w [rows, cols], block_size) -> (codes uint8 [rows, cols], absmax float32 [rows, blocks])
 QuantizeFn = Callable[[Tensor, int], tuple[Tensor, Tensor]]
@@ -91,10 +102,28 @@ def check_block(cols: int, block_size: object) -> int:
 
 
 def check_matrix(w: Tensor) -> None:
+    """A non-empty, finite 2-D float weight, else one ValueError that says which it is not."""
     if not isinstance(w, Tensor) or w.dim() != 2 or not w.is_floating_point():
         shape = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
         raise ValueError(f"Expected a 2-D float weight [rows, cols], got {shape}.")
+    if w.numel() == 0:
+        raise ValueError(
+            f"The weight {tuple(w.shape)} is empty: there is nothing to quantize; pass a layer "
+            "with at least one row and one column."
+        )
     check_finite(w, "the weight to quantize")
+
+
+def check_codes(codes: Tensor) -> None:
+    """NF4 codes: a 2-D uint8 tensor of values 0..15, else one ValueError naming the fault."""
+    if not isinstance(codes, Tensor) or codes.dim() != 2 or codes.dtype != torch.uint8:
+        what = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, Tensor) else type(codes)
+        raise ValueError(f"NF4 codes are a 2-D uint8 tensor (nf4_quantize's), got {what}.")
+    if codes.numel() and int(codes.max()) >= len(NF4_LEVELS):
+        raise ValueError(
+            f"NF4 codes index 16 levels (0..15), but one is {int(codes.max())}; the codes are "
+            "damaged or not NF4's: quantize the weight again with nf4_quantize."
+        )
 
 
 def block_absmax(w: Tensor, block_size: int) -> Tensor:
@@ -124,6 +153,7 @@ def nf4_dequantize(
     codes: Tensor, absmax: Tensor, block_size: int = 64, dtype: torch.dtype = torch.float32
 ) -> Tensor:
     """ŵ = absmax · level[code] [rows, cols], computed in ``dtype`` (float32 by default)."""
+    check_codes(codes)
     rows, cols = codes.shape
     block = check_block(cols, block_size)
     if tuple(absmax.shape) != (rows, cols // block):
@@ -131,57 +161,85 @@ def nf4_dequantize(
             f"absmax must hold one scale per block, shape [{rows}, {cols // block}], got "
             f"{tuple(absmax.shape)}; pass the block_size the codes were made with."
         )
+    return _scaled_levels(codes, absmax, block, dtype)
+
+
+def _scaled_levels(codes: Tensor, absmax: Tensor, block: int, dtype: torch.dtype) -> Tensor:
+    """absmax · level[code] without the checks (``NF4Tensor`` checks its codes once)."""
+    rows, cols = codes.shape
     levels = NF4_LEVELS.to(device=codes.device, dtype=dtype)
     values = levels.index_select(0, codes.reshape(-1).int()).reshape(rows, -1, block)
     return (values * absmax.to(dtype)[..., None]).reshape(rows, cols)
 
 
 def double_quantize(absmax: Tensor, block: int = DOUBLE_BLOCK) -> tuple[Tensor, Tensor, Tensor]:
-    """(int8 codes shaped like ``absmax``, float32 scales [ceil(n / block)], float32 mean).
+    """(uint8 codes shaped like ``absmax``, float32 block maxima [ceil(n / block)], float32 step).
 
-    The scales minus their mean, in blocks of ``block`` (the last one may be shorter), each
-    block stored as round(x / s) with s = max|x| / 127.
+    The scales (finite, ≥ 0) in blocks of ``block`` (the last one may be shorter) on the log
+    grid of the module docstring: code 0 for a zero scale, else 255 − round(log2(M / c) / h).
     """
     block = check_count(block, "block", fix="QLoRA uses 256")
     flat = absmax.detach().float().reshape(-1)
-    mean = flat.mean()
-    centred = flat - mean
+    check_finite(flat, "the block scales to quantize")
+    if bool((flat < 0).any()):
+        raise ValueError("block scales are absolute maxima, never negative; pass nf4_quantize's.")
     pad = -flat.numel() % block
-    groups = F.pad(centred, (0, pad)).reshape(-1, block)
-    scales = (groups.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = torch.round(groups / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes.reshape(-1)[: flat.numel()].reshape(absmax.shape), scales, mean
+    groups = F.pad(flat, (0, pad)).reshape(-1, block).double()
+    maxima = groups.amax(-1)
+    nonzero = groups > 0
+    ratio = torch.where(  # log2(M / c) ≥ 0 of every non-zero scale; 0 for zeros and padding
+        nonzero, maxima.clamp_min(1e-300).log2()[:, None] - groups.clamp_min(1e-300).log2(), 0.0
+    )
+    step = (ratio.amax() / (LOG_CODES - 1)).float()  # the widest block spans codes 1..255
+    steps = ratio / step.double() if bool(step > 0) else torch.zeros_like(ratio)
+    codes = (LOG_CODES - torch.round(steps)).clamp(1, LOG_CODES).masked_fill(~nonzero, 0)
+    codes = codes.to(torch.uint8).reshape(-1)[: flat.numel()].reshape(absmax.shape)
+    return codes, maxima.float(), step
 
 
 def double_dequantize(
-    codes: Tensor, scales: Tensor, mean: Tensor, block: int = DOUBLE_BLOCK
+    codes: Tensor, maxima: Tensor, step: Tensor, block: int = DOUBLE_BLOCK
 ) -> Tensor:
-    """The scales back from ``double_quantize``: codes · s + mean, float32, shaped like codes."""
-    flat = codes.reshape(-1).float()
-    if scales.numel() != math.ceil(flat.numel() / block):
+    """The scales back from ``double_quantize``: M · 2^(−(255 − q) h), 0 for code 0; float32,
+    shaped like ``codes``."""
+    flat = codes.reshape(-1)
+    if maxima.numel() != math.ceil(flat.numel() / block):
         raise ValueError(
             f"{flat.numel()} codes in blocks of {block} need {math.ceil(flat.numel() / block)} "
-            f"scales, got {scales.numel()}; pass the block double_quantize used."
+            f"block maxima, got {maxima.numel()}; pass the block double_quantize used."
         )
-    per_code = scales.float().repeat_interleave(block)[: flat.numel()]
-    return (flat * per_code + mean.float()).reshape(codes.shape)
+    per_code = maxima.double().repeat_interleave(block)[: flat.numel()]
+    below = (LOG_CODES - flat.double()) * step.double()
+    scales = torch.where(flat > 0, per_code * torch.exp2(-below), 0.0)
+    return scales.float().reshape(codes.shape)
 
 
 def bits_per_weight(block_size: int = 64, double: bool = True) -> float:
     """Storage per weight: 4 + 32 / block, or 4 + 8 / block + 32 / (block · 256) when double.
 
-    The one mean per tensor of double quantization is left out (it is 32 bits in all).
+    The one step per tensor of double quantization is left out (it is 32 bits in all).
     """
     block = check_count(block_size, "block_size", fix="QLoRA uses 64")
     return 4 + (8 / block + 32 / (block * DOUBLE_BLOCK) if double else 32 / block)
+
+
+def _block_scales(
+    absmax: Tensor | None, codes: Tensor | None, maxima: Tensor | None, step: Tensor | None
+) -> Tensor:
+    """Plain ``absmax``, or the scales ``double_dequantize`` gives back when it is None."""
+    if absmax is not None:
+        return absmax
+    assert codes is not None and maxima is not None and step is not None
+    return double_dequantize(codes, maxima, step)
 
 
 @dataclass
 class NF4Tensor:
     """A weight in NF4: codes uint8 [rows, cols] and its block scales, plain or double-quantized.
 
-    Plain: ``absmax`` float32 [rows, blocks]. Double: ``absmax_codes`` int8 [rows, blocks],
-    ``absmax_scales`` float32 and ``absmax_mean`` (``double_quantize``), ``absmax`` None.
+    Plain: ``absmax`` float32 [rows, blocks]. Double: ``absmax_codes`` uint8 [rows, blocks],
+    ``absmax_scales`` (the block maxima, float32) and ``absmax_step`` (``double_quantize``),
+    ``absmax`` None.
     """
 
     codes: Tensor
@@ -189,7 +247,19 @@ class NF4Tensor:
     absmax: Tensor | None = None
     absmax_codes: Tensor | None = None
     absmax_scales: Tensor | None = None
-    absmax_mean: Tensor | None = None
+    absmax_step: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_codes(self.codes)
+        check_block(self.codes.shape[1], self.block_size)
+        scales = self.absmax if self.absmax is not None else self.absmax_codes
+        blocks = (self.codes.shape[0], self.codes.shape[1] // self.block_size)
+        if scales is None or tuple(scales.shape) != blocks:
+            raise ValueError(
+                f"An NF4 weight {tuple(self.codes.shape)} in blocks of {self.block_size} needs "
+                "one scale per block (absmax, or absmax_codes when double-quantized), got "
+                f"{None if scales is None else tuple(scales.shape)}."
+            )
 
     @classmethod
     def quantize(
@@ -205,8 +275,8 @@ class NF4Tensor:
         codes, absmax = (quantize_fn or nf4_quantize)(w, block_size)
         if not double:
             return cls(codes, block_size, absmax=absmax.float())
-        q, scales, mean = double_quantize(absmax)
-        return cls(codes, block_size, absmax_codes=q, absmax_scales=scales, absmax_mean=mean)
+        q, maxima, step = double_quantize(absmax)
+        return cls(codes, block_size, absmax_codes=q, absmax_scales=maxima, absmax_step=step)
 
     @property
     def double(self) -> bool:
@@ -214,14 +284,11 @@ class NF4Tensor:
 
     def scales(self) -> Tensor:
         """The block scales [rows, blocks] (after the round trip when double-quantized)."""
-        if self.absmax is not None:
-            return self.absmax
-        assert self.absmax_codes is not None and self.absmax_scales is not None
-        assert self.absmax_mean is not None
-        return double_dequantize(self.absmax_codes, self.absmax_scales, self.absmax_mean)
+        return _block_scales(self.absmax, self.absmax_codes, self.absmax_scales, self.absmax_step)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return nf4_dequantize(self.codes, self.scales(), self.block_size, dtype)
+        """ŵ [rows, cols] in ``dtype`` (the codes were checked when this tensor was made)."""
+        return _scaled_levels(self.codes, self.scales(), self.block_size, dtype)
 
     def bits_per_weight(self) -> float:
         return bits_per_weight(self.block_size, self.double)
@@ -235,7 +302,7 @@ class NF4Linear(nn.Module):
         self.out_features, self.in_features = weight.codes.shape
         self.block_size, self.double = weight.block_size, weight.double
         self.register_buffer("codes", weight.codes)
-        for name in ("absmax", "absmax_codes", "absmax_scales", "absmax_mean"):
+        for name in SCALE_FIELDS:
             self.register_buffer(name, getattr(weight, name))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
@@ -253,19 +320,23 @@ class NF4Linear(nn.Module):
         return cls(nf4, linear.bias)
 
     def tensor(self) -> NF4Tensor:
-        names = ("absmax", "absmax_codes", "absmax_scales", "absmax_mean")
-        return NF4Tensor(self.codes, self.block_size, *(getattr(self, n) for n in names))
+        return NF4Tensor(self.codes, self.block_size, *(getattr(self, n) for n in SCALE_FIELDS))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Ŵ [out, in] in ``dtype`` (the codes were checked when the layer was made)."""
+        scales = _block_scales(*(getattr(self, n) for n in SCALE_FIELDS))
+        return _scaled_levels(self.codes, scales, self.block_size, dtype)
 
     @property
     def weight(self) -> Tensor:
         """Ŵ [out, in], float32, dequantized anew (read-only: changing it changes nothing)."""
-        return self.tensor().dequantize()
+        return self.dequantized()
 
     def forward(self, x: Tensor) -> Tensor:
         device = x.device.type  # under autocast the product runs in its dtype: dequantize to it
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
-        weight = self.tensor().dequantize(dtype)
+        weight = self.dequantized(dtype)
         bias = None if self.bias is None else self.bias.to(weight.dtype)
         return F.linear(x, weight, bias)
 
