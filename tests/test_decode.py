@@ -267,6 +267,26 @@ def test_several_tokens_in_one_call_equal_the_cached_forward(n, weights):
 
 
 @needs_compiler
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("n", [3, 7])
+def test_several_tokens_on_shapes_that_leave_partial_tiles(n, weights):
+    """A pass over n tokens reads rows in register tiles of 4 or 2 (``mdot_tile``) and gate and
+    up of two neurons at once: widths that are no multiple of 16, row counts that are no
+    multiple of a tile and an odd number of neurons take the tails, and still equal the model."""
+    odd = {"dim": 40, "head_dim": 10, "ffn_dim": 37, "vocab_size": 61}
+    model, reference = low_bit(tiny_model(seed=15, std=0.1, **odd), weights)
+    tokens = torch.randint(0, 61, (1, 5 + n), generator=torch.Generator().manual_seed(16))
+    with torch.inference_mode():
+        ref_cache, dec_cache = make_cache(model.config, 1, 16), make_cache(model.config, 1, 16)
+        for cache in (ref_cache, dec_cache):
+            reference(tokens[:, :5], torch.arange(5), cache)
+        decoder = Decoder(model, dec_cache)
+        assert all_c(decoder)
+        ref = reference(tokens[:, 5:], torch.arange(5, 5 + n), ref_cache)[0]
+        assert_close(ref, decoder.forward(tokens[0, 5:].tolist(), 5))
+
+
+@needs_compiler
 @pytest.mark.parametrize("mode", ["threshold", "lowrank", "mlp"])
 @pytest.mark.parametrize("n", [2, 5])
 def test_several_tokens_through_a_sparse_mlp_run_in_c_like_torch(mode, n):

@@ -131,11 +131,32 @@ static void gemm_rows(Mat W, const float* bias, const float* X, float* Y, int64_
         gemv_rows(W, bias, X, Y, N, K);
         return;
     }
+    if (W.q4 || W.nm_pos) {
+        #pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < N; i++) {
+            float out[MAX_TOKENS];
+            mdot_tokens(W, i, X, B, K, out);
+            for (int64_t b = 0; b < B; b++) Y[b * N + i] = out[b] + (bias ? bias[i] : 0.0f);
+        }
+        return;
+    }
+    /* float32 or int8 rows: tiles of R consecutive rows (matvec.h's mdot_tile), each thread a
+       contiguous run of tiles, the next tile prefetched while one is summed; the rows past
+       the last whole tile one at a time */
+    const int R = tile_rows(B);
+    const int64_t tiles = N / R;
     #pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < N; i++) {
-        float out[MAX_TOKENS];
-        mdot_tokens(W, i, X, B, K, out);
-        for (int64_t b = 0; b < B; b++) Y[b * N + i] = out[b] + (bias ? bias[i] : 0.0f);
+    for (int64_t t = 0; t <= tiles; t++) {
+        const int64_t i0 = t * R, m = t < tiles ? R : N - i0;
+        if (m == 0) continue;
+        float out[4 * MAX_TOKENS];
+        for (int64_t q0 = 0; q0 < m; q0 += m == R ? R : 1) {  /* a whole tile, or row by row */
+            const int64_t idx[4] = {i0 + q0, i0 + q0 + 1, i0 + q0 + 2, i0 + q0 + 3};
+            mdot_tile(W, idx, m == R ? R : 1, X, B, K, out + q0 * B);
+        }
+        for (int q = 0; q < m; q++)
+            for (int64_t b = 0; b < B; b++)
+                Y[b * N + i0 + q] = out[q * B + b] + (bias ? bias[i0 + q] : 0.0f);
     }
 }
 
@@ -286,20 +307,25 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
                     h[b * F + j] = slot(L->down_in, a * gu[(B + b) * F + j]);
                 }
         } else {
+            /* neurons P at a time: with several tokens, gate and up rows of P neurons form one
+               register tile (P = 2 when four rows fit, else 1) */
+            const int64_t P = B > 1 && tile_rows(B) == 4 && F % 2 == 0 ? 2 : 1;
             #pragma omp for schedule(static)
-            for (int64_t j = 0; j < F; j++) {
-                float g[MAX_TOKENS], u[MAX_TOKENS];
+            for (int64_t j0 = 0; j0 < F; j0 += P) {
+                float g[2 * MAX_TOKENS], u[2 * MAX_TOKENS];
                 if (B == 1) {
-                    g[0] = mdot(L->wg, j, n, D);
-                    u[0] = mdot(L->wu, j, n, D);
+                    g[0] = mdot(L->wg, j0, n, D);
+                    u[0] = mdot(L->wu, j0, n, D);
                 } else {
-                    mdot_tokens2(L->wg, L->wu, j, n, B, D, g, u);
+                    mdot_tile2(L->wg, L->wu, j0, P, n, B, D, g, u);
                 }
-                for (int64_t b = 0; b < B; b++) {
-                    float a = activate(L->act, g[b] + (L->bg ? L->bg[j] : 0.0f));
-                    if (L->act_threshold >= 0.0f && fabsf(a) <= L->act_threshold) a = 0.0f;
-                    h[b * F + j] = slot(L->down_in, a * (u[b] + (L->bu ? L->bu[j] : 0.0f)));
-                }
+                for (int64_t j = j0; j < j0 + P; j++)
+                    for (int64_t b = 0; b < B; b++) {
+                        const int64_t at = (j - j0) * B + b;
+                        float a = activate(L->act, g[at] + (L->bg ? L->bg[j] : 0.0f));
+                        if (L->act_threshold >= 0.0f && fabsf(a) <= L->act_threshold) a = 0.0f;
+                        h[b * F + j] = slot(L->down_in, a * (u[at] + (L->bu ? L->bu[j] : 0.0f)));
+                    }
             }
         }
         gemm_rows(L->wd, L->bd, h, y, B, D, F, parts);
