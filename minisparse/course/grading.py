@@ -13,16 +13,16 @@ changed in place, a call that never ends), never as a traceback through the libr
 
 from __future__ import annotations
 
-import contextlib
+import builtins
 import copy
+import ctypes
 import math
 import operator
 import random
 import re
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from ..core.checks import check_count
 
 __all__ = [
     "EXERCISES",
+    "GUARDED",
     "TIME_LIMIT",
     "Exercise",
     "check",
@@ -40,6 +41,7 @@ __all__ = [
     "describe",
     "equal",
     "exact",
+    "kind_mismatch",
     "loose",
     "near",
     "register",
@@ -54,31 +56,86 @@ class _TooSlow(BaseException):
     """Not an Exception: a learner's own ``except Exception`` must not swallow the limit."""
 
 
-@contextlib.contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise _TooSlow in the calling code after ``seconds`` (a timer signal, in the main thread
-    of a Unix process; elsewhere no limit is set). A timer already running (a test runner's
-    own limit) is set again afterwards with the time it had left, or is left alone when it
-    would fire first."""
-    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    outer = signal.getitimer(signal.ITIMER_REAL)[0] if usable else 0.0
-    if not usable or 0 < outer <= seconds:
-        yield
-        return
+#: How long ``_stop`` keeps raising _TooSlow into a late call's thread before giving up.
+STOP_GRACE = 1.0
 
-    def stop(signum: int, frame: Any) -> None:
-        raise _TooSlow
 
-    previous = signal.signal(signal.SIGALRM, stop)
-    start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+@dataclass
+class _Outcome:
+    """What the learner's call in its thread gave: a result or the exception it raised."""
+
+    done: bool = False
+    value: Any = None
+    error: BaseException | None = None
+    running: bool = False  # still running after the deadline and ``_stop``
+
+
+def _call_with_deadline(fn: Callable[[], Any], seconds: float) -> _Outcome:
+    """``fn()`` in a daemon thread that the caller waits for at most ``seconds``.
+
+    The caller's grad and inference modes (per thread in torch) are the thread's too. A call
+    still running at the deadline comes back not ``done``, after ``_stop`` tried to end it:
+    a loop that catches every exception (``except:``) cannot hold the caller, which only waits.
+    """
+    outcome = _Outcome()
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def work() -> None:
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                outcome.value = fn()
+            outcome.done = True
+        except BaseException as err:  # handed to the caller, which says what it was
+            outcome.error, outcome.done = err, True
+
+    thread = threading.Thread(target=work, name="minisparse-learner", daemon=True)
+    thread.start()
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
-        if outer > 0:
-            signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer - (time.monotonic() - start)))
+        thread.join(seconds)
+    except BaseException:  # Ctrl-C (a notebook's stop button) ends the learner's call too
+        _stop(thread)
+        raise
+    if thread.is_alive():
+        outcome.running = not _stop(thread)
+        outcome.done = False
+    return outcome
+
+
+def _stop(thread: threading.Thread) -> bool:
+    """Raise _TooSlow in ``thread`` again and again (an ``except:`` inside a loop catches some,
+    not the one that lands between two tries) for up to ``STOP_GRACE`` s; True if it ended."""
+    ident = thread.ident
+    deadline = time.monotonic() + STOP_GRACE
+    while thread.is_alive() and ident is not None and time.monotonic() < deadline:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(ident), ctypes.py_object(_TooSlow)
+        )
+        thread.join(0.005)
+    return not thread.is_alive()
+
+
+#: The functions answers are compared with, as they were when this module was imported: a
+#: learner's function that replaces one of them fails, and the original is put back.
+GUARDED: tuple[tuple[Any, str], ...] = (
+    *((torch, n) for n in ("allclose", "equal", "isclose", "as_tensor", "tensor", "all", "any")),
+    *((torch.testing, n) for n in ("assert_close",)),
+    *((Tensor, n) for n in ("__eq__", "__ne__", "all", "any", "double", "float", "abs", "sum")),
+    *((math, n) for n in ("isclose", "isfinite")),
+    *((operator, n) for n in ("index", "eq")),
+    *((builtins, n) for n in ("bool", "all", "any", "isinstance", "float", "int", "abs", "len")),
+)
+_ORIGINALS: dict[tuple[int, str], Any] = {(id(o), n): getattr(o, n) for o, n in GUARDED}
+
+
+def _restore_guarded() -> list[str]:
+    """Put back every guarded function a call replaced; their names (empty when none was)."""
+    replaced = []
+    for owner, name in GUARDED:
+        original = _ORIGINALS[(id(owner), name)]
+        if getattr(owner, name) is not original:
+            setattr(owner, name, original)
+            replaced.append(f"{getattr(owner, '__name__', type(owner).__name__)}.{name}")
+    return replaced
 
 
 def _unchanged(before: Tensor, after: Tensor) -> bool:
@@ -91,22 +148,37 @@ def _unchanged(before: Tensor, after: Tensor) -> bool:
 
 def run_learner(name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:
     """(True, result) of the learner's call on copies of ``args``, or (False, None) after
-    printing, in the learner's terms, why the call itself went wrong."""
+    printing, in the learner's terms, why the call itself went wrong.
+
+    The call runs in a thread the grader waits for at most ``TIME_LIMIT`` s (and then tries to
+    stop), so no loop of the learner's can hang the check; a call that replaced one of the
+    ``GUARDED`` comparison functions fails, and the original is put back."""
     copies = [a.clone() if isinstance(a, Tensor) else copy.deepcopy(a) for a in args]
-    try:
-        with _time_limit(TIME_LIMIT):
-            got = fn(*copies)
-    except _TooSlow:
-        print(f"{name}: your function did not return within {TIME_LIMIT:.0f} s on inputs "
-              f"{describe(args)}; look for a loop that never ends.")  # fmt: skip
+    outcome = _call_with_deadline(lambda: fn(*copies), TIME_LIMIT)
+    replaced = _restore_guarded()
+    err = outcome.error
+    if replaced:
+        print(f"{name}: your function replaced {', '.join(replaced)}, which the grader compares "
+              "answers with; it is put back. Compute the answer without patching torch or "
+              "Python's functions.")  # fmt: skip
         return False, None
-    except NotImplementedError as err:
+    if not outcome.done or isinstance(err, _TooSlow):
+        print(f"{name}: your function did not return within {TIME_LIMIT:.0f} s on inputs "
+              f"{describe(args)} (it ran in a thread the grader stopped waiting for); look "
+              "for a loop that never ends."
+              + (" It is still running in the background, catching the exception that stops "
+                 "it: restart the kernel to end it." if outcome.running else ""))  # fmt: skip
+        return False, None
+    if isinstance(err, NotImplementedError):
         print(f"{name}: not written yet ({err or 'NotImplementedError'}).")
         return False, None
-    except Exception as err:  # the learner's code: any error is theirs to see, in one line
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        raise err
+    if err is not None:  # the learner's code: any error is theirs to see, in one line
         print(f"{name}: your function raised {type(err).__name__}: {err} on inputs "
               f"{describe(args)}")  # fmt: skip
         return False, None
+    got = outcome.value
     if got is None:
         print(f"{name}: your function returned None; write its body and `return` the result "
               "(a stub that only says `...` or `pass` returns None).")  # fmt: skip
@@ -118,6 +190,36 @@ def run_learner(name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tup
                   "compute on a copy (x.clone()) or with out-of-place operations.")  # fmt: skip
             return False, None
     return True, got
+
+
+def kind_mismatch(got: Any, expected: Any, where: str = "the result") -> str | None:
+    """What differs between the kinds of ``got`` and ``expected``: a tensor's type, dtype or
+    shape, a sequence's or a dict's type, recursively through items that both hold; None when
+    nothing does.
+
+    A right value of the wrong kind (a float64 or int mask, a list or numpy array for a
+    tensor) breaks the code the chapter runs it in, so it fails before values are compared.
+    Lengths and keys are values (the comparison judges them), and Python numbers match each
+    other (``exact`` and ``near`` judge ints and floats)."""
+    if isinstance(expected, Tensor):
+        if not isinstance(got, Tensor):
+            return f"{where} is a {type(got).__name__}, the reference's a torch.Tensor"
+        if got.dtype != expected.dtype:
+            return f"{where} has dtype {got.dtype}, the reference's {expected.dtype}"
+        if got.shape != expected.shape:
+            return f"{where} has shape {list(got.shape)}, the reference's {list(expected.shape)}"
+        return None
+    if isinstance(expected, (tuple, list, dict)) and type(got) is not type(expected):
+        return f"{where} is a {type(got).__name__}, the reference's a {type(expected).__name__}"
+    if isinstance(expected, dict):
+        pairs = [(f"{where}[{k!r}]", got[k], expected[k]) for k in expected if k in got]
+    elif isinstance(expected, (tuple, list)):
+        pairs = [
+            (f"{where}[{i}]", g, e) for i, (g, e) in enumerate(zip(got, expected, strict=False))
+        ]
+    else:
+        return None
+    return next((m for w, g, e in pairs if (m := kind_mismatch(g, e, w))), None)
 
 
 def describe(args: tuple[Any, ...]) -> str:
@@ -242,12 +344,20 @@ def check(name: str, fn: Callable[..., Any], trials: int = 3, seed: int | None =
     """
     ex = exercise(name)
     check_count(trials, "trials", fix="each trial checks the function on fresh random inputs")
+    if seed is not None:
+        check_count(seed, "seed", minimum=0, fix="a whole number such as 0, or None for a new one")
     gen = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
     for _ in range(trials):
         for args in ex.cases(gen):
             expected = ex.run(ex.reference, args)
             ran, got = run_learner(name, lambda *copies: ex.run(fn, copies), args)
             if not ran:
+                return False
+            differs = kind_mismatch(got, expected)
+            if differs:
+                print(f"{name}: mismatch on inputs {describe(args)}: {differs}; return exactly "
+                      "what the reference returns (convert with .to(dtype), torch.as_tensor, "
+                      f"...).\n  hint: {ex.hint}")  # fmt: skip
                 return False
             ok = ex.accepts(args, got, expected) if ex.accepts else ex.same(got, expected)
             if not ok:

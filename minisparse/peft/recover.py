@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ __all__ = [
     "add_command",
     "apply_masks",
     "base_fingerprint",
+    "check_adapters",
+    "check_masks",
     "load_recovered",
     "perplexity_entry",
     "prune_24",
@@ -58,6 +61,7 @@ __all__ = [
     "read_adapters",
     "recover",
     "run",
+    "save_recovered",
 ]
 
 EVAL_SEQ = 256  # tokens per held-out window
@@ -99,15 +103,52 @@ def perplexity_entry(
 def pruning_masks(pruned: Transformer) -> dict[str, Tensor]:
     """The kept weights of every block projection, one bit each: "mask/<weight name>" -> uint8."""
     return {
-        f"mask/{name}": torch.from_numpy(np.packbits((p != 0).cpu().numpy().reshape(-1)))
-        for name, p in pruned.named_parameters()
+        key: torch.from_numpy(np.packbits((p != 0).cpu().numpy().reshape(-1)))
+        for key, p in masked_weights(pruned).items()
+    }
+
+
+def masked_weights(model: Transformer) -> dict[str, Tensor]:
+    """The weight of every block projection a mask covers (LoRA's targets) by its mask key,
+    "mask/<weight name>"."""
+    return {
+        f"mask/{name}": p
+        for name, p in model.named_parameters()
         if name.rsplit(".", 2)[-2] in LORA_TARGETS and name.endswith(".weight")
     }
 
 
+def check_masks(base: Transformer, masks: dict[str, Tensor]) -> None:
+    """One ValueError naming the first mask ``base`` cannot take: one for a weight it does not
+    have (another architecture, a layer it lacks), one of another size, or a projection of
+    ``base`` that has no mask."""
+    expected = {k: p.numel() for k, p in masked_weights(base).items()}
+    for key, bits in masks.items():
+        if key not in expected:
+            raise ValueError(
+                f"the file holds {key}, a mask for a weight this model does not have (another "
+                f"architecture, or a layer it lacks); {FIX} --fresh for this model."
+            )
+        weights = expected[key]
+        if bits.dtype != torch.uint8 or bits.dim() != 1 or bits.numel() != math.ceil(weights / 8):
+            raise ValueError(
+                f"{key} holds {bits.dtype} {list(bits.shape)}, not the {math.ceil(weights / 8)} "
+                f"bytes of bits its weight of {weights} numbers needs (another architecture?); "
+                f"{FIX} --fresh for this model."
+            )
+    missing = [k for k in expected if k not in masks]
+    if missing:
+        raise ValueError(
+            f"the file has no mask for {missing[0]} ({len(missing)} missing in all): it was made "
+            f"for another model or is damaged; {FIX} --fresh for this model."
+        )
+
+
 @torch.no_grad()
 def apply_masks(base: Transformer, masks: dict[str, Tensor]) -> Transformer:
-    """A copy of ``base`` with the weights ``pruning_masks`` dropped set to zero."""
+    """A copy of ``base`` with the weights ``pruning_masks`` dropped set to zero; a ValueError
+    (``check_masks``) when a mask does not fit ``base``."""
+    check_masks(base, masks)
     pruned = copy.deepcopy(base)
     for key, bits in masks.items():
         p = pruned.get_parameter(key.removeprefix("mask/"))
@@ -184,14 +225,27 @@ def recover(
         "trainable_state": trainable_state_bytes(qlora),
         "history": [{k: h[k] for k in ("step", "loss", "kl", "ce", "lr")} for h in result.history],
     }
+    save_recovered(path, adapters, masks, config, settings, nf4_model)
+    return result.model, report
+
+
+def save_recovered(
+    path: Path,
+    adapters: dict[str, Tensor],
+    masks: dict[str, Tensor],
+    config: FinetuneConfig,
+    settings: dict[str, Any],
+    model: Transformer,
+) -> None:
+    """Write the file ``load_recovered`` reads: adapters, masks, and as metadata ``config``,
+    ``settings`` and the fingerprint of ``model`` (the QLoRA model the adapters sit on)."""
     meta = {
         "config": json.dumps(dataclasses.asdict(config)),
         "settings": json.dumps(settings),
-        "fingerprint": base_fingerprint(nf4_model),
+        "fingerprint": base_fingerprint(model),
     }
     tensors = {**{k: v.contiguous() for k, v in adapters.items()}, **masks}
     save_tensors_atomic(tensors, path, meta)
-    return result.model, report
 
 
 def attach_adapters_(
@@ -201,14 +255,36 @@ def attach_adapters_(
     ``adapters`` (name -> tensor, as ``finetune_`` names them); in place. As after ``qlora_``,
     only the adapters' A and B require a gradient."""
     add_lora_(model, config.lora_rank, config.lora_alpha, seed=config.seed)
-    missing = model.load_state_dict(adapters, strict=False).unexpected_keys
-    if missing:
-        raise ValueError(
-            f"the adapters hold tensors this model does not have ({missing[:3]}); {FIX}."
-        )
+    check_adapters(model, adapters, config.lora_rank)
+    model.load_state_dict(adapters, strict=False)
     for name, p in model.named_parameters():
         p.requires_grad_(name.endswith((".A", ".B")))
     return model.eval()
+
+
+def check_adapters(model: Transformer, adapters: dict[str, Tensor], rank: int) -> None:
+    """One ValueError naming the first adapter tensor that ``model`` (with its LoRA layers)
+    lacks, that ``adapters`` lack, or whose shape is not the layer's A [rank, in] or
+    B [out, rank]: nothing is guessed or left at its initial value."""
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith((".A", ".B"))}
+    for name, t in adapters.items():
+        if name not in expected:
+            raise ValueError(
+                f"the adapters hold {name}, a tensor this model does not have (another "
+                f"architecture?); {FIX} --fresh for this model."
+            )
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(
+                f"adapter {name} is {list(t.shape)}, but this model at rank {rank} (the file's "
+                f"metadata) needs {list(expected[name])}: another rank or another model; "
+                f"{FIX} --fresh for this model."
+            )
+    missing = [n for n in expected if n not in adapters]
+    if missing:
+        raise ValueError(
+            f"the adapters lack {missing[0]} ({len(missing)} of {len(expected)} tensors missing): "
+            f"the file is damaged; delete it and {FIX} --fresh."
+        )
 
 
 def load_recovered(
@@ -217,8 +293,10 @@ def load_recovered(
     """The QLoRA model ``recover`` trained: ``base`` pruned and on NF4 again, adapters loaded.
 
     Returns (model, settings). ``merge_qlora(model)`` gives the plain float model. Raises
-    FileNotFoundError when there are no adapters, ValueError when they are damaged or were
-    trained on another base.
+    FileNotFoundError when there are no adapters, one ValueError when they are damaged or were
+    trained on another base: a mask or adapter tensor missing, extra or of the wrong shape
+    (``check_masks``, ``check_adapters``: another architecture, another rank), or another
+    pruned base (the fingerprint).
     """
     path = adapters_path(root)
     if not path.exists():

@@ -212,7 +212,7 @@ def _library_awq(
 ) -> tuple[Tensor, Tensor]:
     group = LinearGroup("linears", ("linear",), "prev")
     search = smoothing.awq_search(x, [w], group, _spec(bits, group_size), n_grid)
-    return search.scales, torch.tensor(search.losses, dtype=torch.float64)
+    return search.scales, torch.tensor(search.losses)
 
 
 def _same_search(got: Any, expected: Any) -> bool:
