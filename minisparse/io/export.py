@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "check_export_folder",
     "check_gguf_exportable",
     "check_plain_mlps",
+    "check_writable_folder",
     "copy_tokenizer",
     "export_gguf",
     "export_hf",
@@ -80,13 +82,35 @@ GGUF_TOP_NAMES = {
 
 
 def check_plain_mlps(model: Transformer) -> None:
-    """Exports hold dense weights: sparse or split MLPs are an execution choice, not a format."""
+    """Exports hold dense weights: sparse or split MLPs are an execution choice, not a format;
+    every projection must be a float linear layer with finite weights (not N:M, NF4, LoRA or
+    packed: ``pruning.check_plain_linears`` names the first and the way back)."""
+    from ..pruning.prune import TARGETS, check_plain_linears
+
     for i, layer in enumerate(model.layers):
         if type(layer.mlp) is not MLP:
             raise ValueError(
                 f"Layer {i}'s MLP is a {type(layer.mlp).__name__}; export the dense model (before "
                 "sparsify_ / apply) and ship the predictors or placement beside it."
             )
+    check_plain_linears(model, TARGETS["all"], "export")
+
+
+def check_writable_folder(out: Path) -> None:
+    """Refuse an export to ``out`` whose folder does not take a new file (a missing folder, a
+    read-only or virtual file system such as /proc), naming ``out``, before any work: the
+    export writes a temporary file beside ``out`` first, whose name would mean nothing."""
+    folder = out.expanduser().absolute().parent
+    while not folder.exists() and folder != folder.parent:  # made on the way: its parent counts
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"cannot write {out}: {folder} does not take new files ({err.strerror}); choose "
+            "another place for the export."
+        ) from err
 
 
 #: The file every HF export writes into its folder: only a folder that holds it may be replaced.
@@ -128,6 +152,7 @@ def export_hf(
     check_exportable(model)
     out = Path(directory)
     check_export_folder(out)
+    check_writable_folder(out)
 
     def write(folder: Path) -> None:
         (folder / EXPORT_MARK).write_text(json.dumps({"exported_by": "minisparse export"}))
@@ -211,6 +236,7 @@ def export_gguf(
 
     check_gguf_exportable(model, dtype)
     out = Path(path)
+    check_writable_folder(out)
     write_file_atomic(
         out, lambda tmp: write_gguf(model, tmp, dtype, tokenizer_gguf, name), shared=True
     )
@@ -360,6 +386,7 @@ def check_arguments(args: Any) -> None:
         check_output_path(out.parent / f"{out.name}.tmp", "OUT")
     else:
         check_output_path(out, "OUT")
+    check_writable_folder(out)
     if args.predictors is not None and not Path(args.predictors).is_file():
         raise FileNotFoundError(
             f"No predictors file at {args.predictors}; train them with `minisparse predictors`."

@@ -39,7 +39,7 @@ def pattern_nm(pattern: str) -> tuple[int, int] | None:
     if pattern == "unstructured":
         return None
     parts = pattern.split(":") if isinstance(pattern, str) else []
-    if len(parts) == 2 and all(p.isdigit() for p in parts):
+    if len(parts) == 2 and all(p.isascii() and p.isdigit() for p in parts):  # not "²"
         n, m = int(parts[0]), int(parts[1])
         if 0 < n < m:
             return n, m

@@ -38,6 +38,7 @@ from ..core.model import Transformer, check_tokens
 from ..quant.calibration import LinearGroup, sequential_layers
 from ..quant.gptq import hessian
 from ..quant.layers import set_weight
+from ..quant.tensor import check_finite
 from .masks import nm_mask, pattern_nm, row_mask
 from .scores import input_norms, magnitude_score, wanda_score
 from .sparsegpt import check_settings, check_target, sparsegpt_prune
@@ -45,9 +46,11 @@ from .sparsegpt import check_settings, check_target, sparsegpt_prune
 __all__ = [
     "PRUNE_METHODS",
     "TARGETS",
+    "UNPLAIN_FIX",
     "MaskFn",
     "ScoreFn",
     "SelectFn",
+    "check_plain_linears",
     "check_prune_arguments",
     "default_mask",
     "prune",
@@ -100,6 +103,36 @@ def target_names(targets: str) -> tuple[str, ...]:
     return TARGETS[targets]
 
 
+#: How to get a float layer back from the layers ``check_plain_linears`` refuses, by type.
+UNPLAIN_FIX = {
+    "NMLinear": "a compact N:M layer (pruning.to_nm_); work on the model before to_nm_ (its "
+    "pruned weights are zeros already), or rebuild it with minisparse.load",
+    "NF4Linear": "an NF4 layer (peft.nf4_base_, qlora_); merge_qlora(model) gives float layers",
+    "LoRALinear": "a LoRA layer; merge_lora(model) folds the adapters into float layers",
+}
+
+
+def check_plain_linears(model: Transformer, names: Sequence[str], action: str) -> None:
+    """Refuse, naming the first, a block projection among ``names`` that is not a float
+    ``nn.Linear`` (an N:M, NF4, LoRA or packed layer) or whose weight holds NaN or inf:
+    ``action`` ("prune", "export") would read a weight it does not have, or NaN."""
+    for i, layer in enumerate(model.layers):
+        for name in names:
+            linear = layer.get_submodule(name)
+            kind = type(linear).__name__
+            if not isinstance(linear, nn.Linear):
+                fix = UNPLAIN_FIX.get(
+                    kind, f"a {kind}; {action} the float model before quantizing it"
+                )
+                raise ValueError(f"cannot {action} layers.{i}.{name}: it is {fix}.")
+            check_finite(
+                linear.weight.detach(),
+                f"layers.{i}.{name}.weight",
+                f"{action} would choose from NaN scores and give NaN logits. Reload the model, "
+                "or repair the weights first (torch.nan_to_num_).",
+            )
+
+
 def check_prune_arguments(
     model: Transformer,
     method: str,
@@ -115,6 +148,7 @@ def check_prune_arguments(
     if method not in PRUNE_METHODS:
         raise ValueError(f"Unknown pruning method {method!r}; use one of {PRUNE_METHODS}.")
     names = target_names(targets)
+    check_plain_linears(model, names, "prune")
     for i, layer in enumerate(model.layers):
         for name in names:
             lin = layer.get_submodule(name)

@@ -33,7 +33,13 @@ from ..core.model import Transformer
 from ..core.registry import Registry
 from ..core.rope import rope_cos_sin
 from .layers import ActQuantLinear, packed_linear, set_weight
-from .tensor import QuantizedTensor, QuantSpec, check_bits
+from .tensor import QuantizedTensor, QuantSpec, check_bits, check_finite
+
+#: What to do about NaN or inf calibration inputs (``sequential_layers`` refuses them).
+FIX_INPUTS = (
+    "measurements taken from them would be NaN. A weight of an earlier layer holds NaN or inf, "
+    "or the values overflow: reload the model, or check its weights with torch.isfinite."
+)
 
 #: A method's layer function: (decoder layer, its groups, their captured inputs, config) ->
 #: per group name, what ``install`` puts in place (quantized weights, and scales to fold).
@@ -266,14 +272,20 @@ def sequential_layers(
     Layer l sees the calibration tokens as transformed by layers 0..l-1 *after* ``visit``
     changed them, so it can correct for their errors (GPTQ, AWQ, SparseGPT and Wanda do the
     same). The hidden states of all calibration tokens are kept at one layer boundary only.
+    A NaN or inf in a layer's inputs is refused (a ValueError naming the layer) before
+    ``visit`` chooses anything from them.
     """
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     x = model.embed(tokens)
     cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
     cos, sin = cos * model.rope_scale, sin * model.rope_scale
     groups = block_groups(model)
-    for layer in tqdm(model.layers, desc=desc, disable=not progress):
+    for i, layer in enumerate(tqdm(model.layers, desc=desc, disable=not progress)):
         inputs = group_inputs(layer, groups, lambda: layer(x, cos, sin, positions, None))  # noqa: B023
+        for group in groups:
+            check_finite(
+                inputs[group.name], f"the input of layers.{i}.{group.linears[0]}", FIX_INPUTS
+            )
         visit(layer, groups, inputs)
         x = layer(x, cos, sin, positions, None)
 

@@ -220,15 +220,20 @@ def quantize_tensor(
     return QuantizedTensor(q=q, scale=scale, offset=offset, spec=spec)
 
 
-def check_finite(x: Tensor, what: str) -> None:
-    """Refuse NaN or inf values in ``x`` with one ValueError that says where they are."""
+REPAIR_WEIGHTS = (
+    "one of them would make its whole row or group NaN after quantization. Repair the weights "
+    "first (reload the model, or torch.nan_to_num_ to zero them)."
+)
+
+
+def check_finite(x: Tensor, what: str, fix: str = REPAIR_WEIGHTS) -> None:
+    """Refuse NaN or inf values in ``x`` with one ValueError that says where they are and
+    ``fix``."""
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
         raise ValueError(
-            f"{what} holds {int(bad.sum())} NaN or inf value(s) (the first at index {where}); "
-            "one of them would make its whole row or group NaN after quantization. Repair the "
-            "weights first (reload the model, or torch.nan_to_num_ to zero them)."
+            f"{what} holds {int(bad.sum())} NaN or inf value(s) (the first at index {where}); {fix}"
         )
 
 
