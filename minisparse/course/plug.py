@@ -66,7 +66,13 @@ def solution(name: str, folder: str | Path) -> Callable[..., Any]:
     spec = importlib.util.spec_from_file_location(f"solution_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:
+        raise ValueError(
+            f"{path} is not valid Python (line {err.lineno}: {err.msg}); fix it, or unset "
+            f"{SOLUTIONS_ENV} to run your own code."
+        ) from None
     if not hasattr(module, ex.function):
         raise AttributeError(
             f"{path} must define {ex.function}, the function exercise {name!r} asks for."

@@ -29,16 +29,24 @@ from dataclasses import dataclass
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..core.model import Transformer
+from ..core.checks import check_count
+from ..core.model import Transformer, check_tokens
 from ..predictors.lowrank import Predictor
 from ..predictors.records import LayerRecord, record_layers
 from ..sparse.swap import swap_mlps_
 from ..sparsity import calibrate_thresholds
-from .grouping import group_neurons
+from .grouping import GROUPINGS, expert_size, group_neurons
 from .mlp import MoEMLP
-from .routing import train_router
+from .routing import check_top_k, train_router
 
-__all__ = ["MoELayer", "activity_thresholds", "fit_moe_layers", "moe_mlps", "moefy"]
+__all__ = [
+    "MoELayer",
+    "activity_thresholds",
+    "check_moe_arguments",
+    "fit_moe_layers",
+    "moe_mlps",
+    "moefy",
+]
 
 
 @dataclass
@@ -92,6 +100,17 @@ def moe_mlps(model: Transformer, layers: Sequence[MoELayer], top_k: int) -> list
     ]
 
 
+def check_moe_arguments(
+    model: Transformer, n_experts: int, top_k: int, grouping: str, epochs: int
+) -> None:
+    """Every check ``moefy`` makes before it records or fits anything (one ValueError each)."""
+    expert_size(model.config.ffn_dim, n_experts)
+    check_top_k(top_k, n_experts)
+    if grouping not in GROUPINGS:
+        raise ValueError(f"Unknown grouping {grouping!r}; use one of {GROUPINGS}.")
+    check_count(epochs, "epochs", fix="the routers train for a few epochs, e.g. 8")
+
+
 def moefy(
     model: Transformer,
     n_experts: int = 32,
@@ -115,6 +134,8 @@ def moefy(
             "moefy needs calibration token windows [n, seq] (e.g. "
             "minisparse.io.data.token_batches(tok, corpus(split='train'), 256, 8))."
         )
+    check_moe_arguments(model, n_experts, top_k, grouping, epochs)
+    check_tokens(calibration, model.config.vocab_size)
     limits = activity_thresholds(model, calibration, thresholds)
     records = record_layers(model, calibration, limits, progress=progress)
     layers = fit_moe_layers(records, n_experts, grouping, router_rank, epochs, seed, progress)

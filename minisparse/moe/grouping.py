@@ -41,6 +41,8 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
+from ..core.checks import check_count
+
 __all__ = [
     "GROUPINGS",
     "balanced_assignment",
@@ -56,8 +58,10 @@ GROUPINGS = ("coactivation", "random")
 
 
 def expert_size(n_neurons: int, n_experts: int) -> int:
-    """m = n / E, the neurons per expert; a ValueError when E does not divide n."""
-    if n_experts < 1 or n_neurons % n_experts:
+    """m = n / E, the neurons per expert; a ValueError when E is not a whole number that
+    divides n."""
+    n_experts = check_count(n_experts, "n_experts", fix="a divisor of the MLP's neurons, e.g. 32")
+    if n_neurons % n_experts:
         raise ValueError(
             f"n_experts={n_experts} must be a positive divisor of the {n_neurons} neurons so that "
             "every expert has the same size; pick a divisor (e.g. 8, 16, 32 for 1536)."

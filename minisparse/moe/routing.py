@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..core.checks import check_count
 from ..predictors.lowrank import Predictor, fit, init_random
 from ..sparsity.contextual import top_k_mask
 
@@ -50,6 +51,7 @@ __all__ = [
 
 def check_top_k(top_k: int, n_experts: int) -> int:
     """``top_k`` if 1 <= top_k <= n_experts, else a ValueError naming the range."""
+    top_k = check_count(top_k, "top_k", fix=f"route each token to 1 to {n_experts} experts")
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k must be between 1 and n_experts={n_experts}, got {top_k}.")
     return top_k

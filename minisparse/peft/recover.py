@@ -40,10 +40,10 @@ from ..io.cache import atomic_write_text, cache_dir, save_tensors_atomic
 from ..io.data import corpus, encode
 from ..io.eval import bootstrap_perplexity, window_nlls, windows
 from ..pruning.prune import prune
-from ..quant.nf4 import NF4Linear
+from ..quant.nf4 import NF4Linear, check_block
 from ..relufy.finetune import FinetuneConfig, cpu_name, finetune_, uses_bf16
 from ..relufy.lora import LORA_TARGETS, add_lora_
-from .qlora import nf4_base_, trainable_state_bytes
+from .qlora import nf4_base_, projections, trainable_state_bytes
 
 __all__ = [
     "EVAL_SEQ",
@@ -183,6 +183,8 @@ def recover(
     check_count(seq_len, "seq_len", minimum=2, fix="training windows need 2 tokens or more")
     check_count(eval_tokens, "eval_tokens", minimum=EVAL_SEQ, fix=f"windows are {EVAL_SEQ} tokens")
     check_count(calib_windows, "calib_windows", fix="Wanda needs a few windows, e.g. 16")
+    for owner, name in projections(base, LORA_TARGETS):  # NF4 blocks must divide every row
+        check_block(getattr(owner, name).in_features, block_size)
     train = windows(encode(tokenizer, corpus(split="train")), seq_len)
     calibration = windows(encode(tokenizer, corpus(split="calib")), seq_len)[:calib_windows]
     eval_ids = encode(tokenizer, corpus(split="eval"))[:eval_tokens]
@@ -376,6 +378,9 @@ def run(args: argparse.Namespace) -> int:
     from ..io.loading import load
 
     check_count(args.threads, "--threads", minimum=0, fix="0 keeps torch's default")
+    check_count(args.block_size, "--block-size", fix="QLoRA uses 64")
+    check_count(args.seq_len, "--seq-len", minimum=2, fix="training windows need 2 tokens or more")
+    check_count(args.eval_tokens, "--eval-tokens", minimum=EVAL_SEQ, fix=f"windows are {EVAL_SEQ}")
     config = FinetuneConfig(
         steps=args.steps,
         batch_size=args.batch_size,
