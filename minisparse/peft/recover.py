@@ -123,13 +123,16 @@ def check_masks(base: Transformer, masks: dict[str, Tensor]) -> None:
     have (another architecture, a layer it lacks), one of another size, or a projection of
     ``base`` that has no mask."""
     expected = {k: p.numel() for k, p in masked_weights(base).items()}
-    for key, bits in masks.items():
+    for key in masks:
         if key not in expected:
             raise ValueError(
                 f"the file holds {key}, a mask for a weight this model does not have (another "
                 f"architecture, or a layer it lacks); {FIX} --fresh for this model."
             )
-        weights = expected[key]
+    for key, weights in expected.items():  # in the model's order: the first is named
+        bits = masks.get(key)
+        if bits is None:
+            continue
         if bits.dtype != torch.uint8 or bits.dim() != 1 or bits.numel() != math.ceil(weights / 8):
             raise ValueError(
                 f"{key} holds {bits.dtype} {list(bits.shape)}, not the {math.ceil(weights / 8)} "
@@ -269,16 +272,18 @@ def check_adapters(model: Transformer, adapters: dict[str, Tensor], rank: int) -
     lacks, that ``adapters`` lack, or whose shape is not the layer's A [rank, in] or
     B [out, rank]: nothing is guessed or left at its initial value."""
     expected = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith((".A", ".B"))}
-    for name, t in adapters.items():
+    for name in adapters:
         if name not in expected:
             raise ValueError(
                 f"the adapters hold {name}, a tensor this model does not have (another "
                 f"architecture?); {FIX} --fresh for this model."
             )
-        if tuple(t.shape) != expected[name]:
+    for name, shape in expected.items():  # in the model's order: the first is named
+        t = adapters.get(name)
+        if t is not None and tuple(t.shape) != shape:
             raise ValueError(
                 f"adapter {name} is {list(t.shape)}, but this model at rank {rank} (the file's "
-                f"metadata) needs {list(expected[name])}: another rank or another model; "
+                f"metadata) needs {list(shape)}: another rank or another model; "
                 f"{FIX} --fresh for this model."
             )
     missing = [n for n in expected if n not in adapters]
