@@ -118,33 +118,47 @@ def masked_weights(model: Transformer) -> dict[str, Tensor]:
     }
 
 
+def misfit(found: dict[str, Tensor], expected: dict[str, Tensor]) -> tuple[str, str, int] | None:
+    """The first problem of ``found`` against ``expected`` (name -> a tensor of the needed
+    dtype and shape): ("extra", name, 0) for a name ``expected`` lacks, ("shape", name, 0) for
+    another dtype or shape (in ``expected``'s order), ("missing", name, count) for names
+    ``found`` lacks; None when every tensor is there as needed."""
+    extra = next((name for name in found if name not in expected), None)
+    if extra is not None:
+        return "extra", extra, 0
+    for name, need in expected.items():
+        t = found.get(name)
+        if t is not None and (t.dtype != need.dtype or t.shape != need.shape):
+            return "shape", name, 0
+    missing = [name for name in expected if name not in found]
+    return ("missing", missing[0], len(missing)) if missing else None
+
+
 def check_masks(base: Transformer, masks: dict[str, Tensor]) -> None:
     """One ValueError naming the first mask ``base`` cannot take: one for a weight it does not
     have (another architecture, a layer it lacks), one of another size, or a projection of
     ``base`` that has no mask."""
-    expected = {k: p.numel() for k, p in masked_weights(base).items()}
-    for key in masks:
-        if key not in expected:
-            raise ValueError(
-                f"the file holds {key}, a mask for a weight this model does not have (another "
-                f"architecture, or a layer it lacks); {FIX} --fresh for this model."
-            )
-    for key, weights in expected.items():  # in the model's order: the first is named
-        bits = masks.get(key)
-        if bits is None:
-            continue
-        if bits.dtype != torch.uint8 or bits.dim() != 1 or bits.numel() != math.ceil(weights / 8):
-            raise ValueError(
-                f"{key} holds {bits.dtype} {list(bits.shape)}, not the {math.ceil(weights / 8)} "
-                f"bytes of bits its weight of {weights} numbers needs (another architecture?); "
-                f"{FIX} --fresh for this model."
-            )
-    missing = [k for k in expected if k not in masks]
-    if missing:
-        raise ValueError(
-            f"the file has no mask for {missing[0]} ({len(missing)} missing in all): it was made "
-            f"for another model or is damaged; {FIX} --fresh for this model."
-        )
+    expected = {
+        k: torch.empty(math.ceil(p.numel() / 8), dtype=torch.uint8, device="meta")
+        for k, p in masked_weights(base).items()
+    }
+    problem = misfit(masks, expected)
+    if problem is None:
+        return
+    kind, key, count = problem
+    found = masks[key] if key in masks else None
+    raise ValueError(
+        {
+            "extra": f"the file holds {key}, a mask for a weight this model does not have "
+            "(another architecture, or a layer it lacks)",
+            "shape": f"{key} holds {getattr(found, 'dtype', None)} "
+            f"{list(getattr(found, 'shape', []))}, not the {expected.get(key, found).numel()} "
+            "bytes of bits its weight needs (another architecture?)",
+            "missing": f"the file has no mask for {key} ({count} missing in all): it was made "
+            "for another model or is damaged",
+        }[kind]
+        + f"; {FIX} --fresh for this model."
+    )
 
 
 @torch.no_grad()
@@ -271,27 +285,25 @@ def check_adapters(model: Transformer, adapters: dict[str, Tensor], rank: int) -
     """One ValueError naming the first adapter tensor that ``model`` (with its LoRA layers)
     lacks, that ``adapters`` lack, or whose shape is not the layer's A [rank, in] or
     B [out, rank]: nothing is guessed or left at its initial value."""
-    expected = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith((".A", ".B"))}
-    for name in adapters:
-        if name not in expected:
-            raise ValueError(
-                f"the adapters hold {name}, a tensor this model does not have (another "
-                f"architecture?); {FIX} --fresh for this model."
-            )
-    for name, shape in expected.items():  # in the model's order: the first is named
-        t = adapters.get(name)
-        if t is not None and tuple(t.shape) != shape:
-            raise ValueError(
-                f"adapter {name} is {list(t.shape)}, but this model at rank {rank} (the file's "
-                f"metadata) needs {list(shape)}: another rank or another model; "
-                f"{FIX} --fresh for this model."
-            )
-    missing = [n for n in expected if n not in adapters]
-    if missing:
-        raise ValueError(
-            f"the adapters lack {missing[0]} ({len(missing)} of {len(expected)} tensors missing): "
-            f"the file is damaged; delete it and {FIX} --fresh."
-        )
+    expected = {n: p for n, p in model.named_parameters() if n.endswith((".A", ".B"))}
+    problem = misfit(adapters, {n: p.detach() for n, p in expected.items()})
+    if problem is None:
+        return
+    kind, name, count = problem
+    got, need = adapters.get(name), expected.get(name)
+    raise ValueError(
+        {
+            "extra": f"the adapters hold {name}, a tensor this model does not have (another "
+            "architecture?)",
+            "shape": f"adapter {name} is {getattr(got, 'dtype', None)} "
+            f"{list(getattr(got, 'shape', []))}, but this model at rank {rank} (the file's "
+            f"metadata) needs {getattr(need, 'dtype', None)} {list(getattr(need, 'shape', []))}"
+            ": another rank or another model",
+            "missing": f"the adapters lack {name} ({count} of {len(expected)} tensors missing): "
+            "the file is damaged",
+        }[kind]
+        + f"; {FIX} --fresh for this model."
+    )
 
 
 def load_recovered(
