@@ -509,6 +509,33 @@ def test_bench_rows_on_tiny_models(target):
     assert "same tokens" in B.format_rows(rows)
 
 
+def test_bench_with_adaptive_gamma_predicts_from_the_passes_own_choices(target):
+    """gamma="auto": each draft chooses per pass; the tokens are the plain ones and the
+    prediction is the theory summed over the passes that were run (checked by hand here)."""
+    from minisparse.bench import speculative as B
+
+    drafts = {"int8": S.int8_draft(target), "lookup": S.prompt_lookup_draft(2)}
+    costs = {"int8": 0.4, **{f"verify {g}": 1.0 + 0.1 * g for g in range(1, 8)}}
+    rows = B.bench_speculative(
+        target, None, random_prompts(2, seed=4), drafts, "auto", 16, repeats=1, warmup=0,
+        costs=costs, progress=False,
+    )  # fmt: skip
+    assert [(r.gamma, r.same_tokens) for r in rows] == [("auto", True)] * 2
+    one = S.AdaptiveGamma(7, 0.4, {g: costs[f"verify {g}"] for g in range(1, 8)})
+    _, st = S.speculative_generate(target, None, [3, 1, 4, 1, 5], drafts["int8"], one, 16)
+    assert len(st.per_pass_gamma) == st.target_calls
+    tokens = sum(
+        1 if k == 0 else S.expected_tokens_per_call(st.alpha, k) for k in st.per_pass_gamma
+    )
+    cost = sum(1 if k == 0 else 0.4 * k + 1 + 0.1 * k for k in st.per_pass_gamma)
+    got = B.predicted_from_passes(st.alpha, st.per_pass_gamma, 0.4, costs)
+    assert got == pytest.approx(tokens / cost)
+    with pytest.raises(ValueError, match="lack the verification pass for gamma"):
+        B.bench_speculative(target, None, [[1, 2]], drafts, "auto", 4, costs={"verify 4": 1.0})
+    with pytest.raises((ValueError, TypeError), match="'auto'"):
+        B.check_bench_counts("often", 4, 1, 0)
+
+
 def test_bench_decodes_each_answer_to_where_plain_decoding_ends_it():
     """An answer that ends early (end of turn) is timed to its end, not past it: every variant
     decodes each prompt to the plain answer's length, and the tokens are the plain answers."""
@@ -562,3 +589,86 @@ def test_teacher_forced_alpha_against_a_loop():
     assert sampled == pytest.approx(sum(beta) / 20, rel=1e-5)
     assert 0 < sampled < 1
     assert S.teacher_forced_alpha(target, target, tokens) == 1.0
+
+
+# ---- adaptive gamma ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.05, 0.3, 0.6, 0.9, 1.0])
+@pytest.mark.parametrize("slope", [0.0, 0.05, 0.4])
+@pytest.mark.parametrize("cost", [0.0, 0.2])
+def test_choose_gamma_is_the_brute_force_best_including_no_drafts(alpha, slope, cost):
+    """choose_gamma against a direct search over k = 0..7 of E[tokens] / (k c + v(k)), where
+    k = 0 (a plain step) gives exactly 1."""
+    v = S.linear_verify_cost(slope)
+
+    def speed(k):
+        if k == 0:
+            return 1.0
+        tokens = sum(alpha**j for j in range(k + 1))
+        return tokens / (k * cost + v(k))
+
+    got = S.choose_gamma(alpha, cost, v, 7)
+    assert speed(got) == pytest.approx(max(speed(k) for k in range(8)))
+    if alpha < slope / (1 + slope) and cost == 0.0:  # one draft does not pay for its token
+        assert got == 0
+
+
+def test_adaptive_estimate_is_the_forgetting_beta_mean():
+    policy = S.AdaptiveGamma(prior_alpha=0.4, prior_weight=3.0, memory=0.8)
+    a = n = 0.0
+    for acc, judged in [(4, 4), (0, 1), (2, 3), (0, 0), (1, 1)]:
+        policy.update(acc, judged)
+        a, n = 0.8 * a + acc, 0.8 * n + judged
+        assert policy.alpha == pytest.approx((a + 0.4 * 3.0) / (n + 3.0))
+    policy.reset()
+    assert policy.alpha == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_gamma": 0}, "gamma"),
+        ({"memory": 0.0}, "memory"),
+        ({"prior_alpha": 1.5}, "prior_alpha"),
+        ({"cost_ratio": -1.0}, "cost_ratio"),
+        ({"verify_cost": {1: 1.0, 2: 1.1}, "max_gamma": 3}, "no cost for gamma \\[3\\]"),
+    ],
+)
+def test_adaptive_gamma_refuses_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        S.AdaptiveGamma(**kwargs)
+
+
+def test_adaptive_gamma_keeps_greedy_tokens_and_drafts_by_acceptance(target):
+    """The tokens equal plain greedy decoding; a draft that is always right is given the most
+    drafts per pass, one that is always wrong soon none (a plain step each), while a free one
+    is still judged on those steps."""
+    ids = [2, 7, 1, 8]
+    reference = generate(target, None, ids, max_new_tokens=60)
+
+    class FixedDraft(S.Draft):
+        def __init__(self, right: bool) -> None:
+            super().__init__()
+            self.right = right
+
+        def propose(self, context, gamma, sampling, generator):
+            self.calls += 1
+            done = len(context) - len(ids)
+            tokens = reference[done : done + gamma]
+            return (tokens if self.right else [(t + 1) % VOCAB for t in tokens]), None
+
+    for right in (True, False):
+        policy = S.AdaptiveGamma(max_gamma=6, verify_cost=S.linear_verify_cost(0.05))
+        got, stats = S.speculative_generate(target, None, ids, FixedDraft(right), policy, 60)
+        assert got == reference
+        if right:
+            assert set(stats.per_pass_gamma[2:-1]) == {6} and stats.tokens_per_call > 5
+        else:  # once the prior has faded (about 13 judged drafts)
+            assert set(stats.per_pass_gamma[20:]) == {0} and stats.accepted == 0
+            assert policy.judged > 1  # the plain steps still judged the free draft
+    for name, draft in tiny_drafts(target).items():  # every real draft, adaptive, same tokens
+        cost = 0.0 if name == "prompt lookup" else 0.3
+        policy = S.AdaptiveGamma(cost_ratio=cost)
+        got, _ = S.speculative_generate(target, None, ids, draft, policy, 40)
+        assert got == reference[:40], name

@@ -35,11 +35,21 @@ from ..measure.machine import machine
 from ..measure.timing import interleaved_decode_steps, interleaved_medians
 from ..runtime.decoder import MAX_TOKENS, Decoder
 from ..sparsity import check_sparsity
-from ..speculative.loop import Draft, ModelDraft, expected_speedup, speculative_generate
+from ..speculative.loop import (
+    AdaptiveGamma,
+    Draft,
+    ModelDraft,
+    expected_speedup,
+    expected_tokens_per_call,
+    speculative_generate,
+)
 from ..speculative.registry import DRAFTS, make_draft
 from .prompts import PROMPTS, chat_prompts
 
+AUTO = "auto"  # --gamma auto: AdaptiveGamma chooses the drafts of every pass
+
 __all__ = [
+    "AUTO",
     "PROMPTS",
     "SpecRow",
     "add_arguments",
@@ -48,8 +58,10 @@ __all__ = [
     "check_arguments",
     "check_bench_counts",
     "format_rows",
+    "gamma_arg",
     "main",
     "make_drafts",
+    "predicted_from_passes",
     "run",
     "step_costs",
 ]
@@ -151,7 +163,7 @@ class SpecRow:
     """
 
     draft: str
-    gamma: int
+    gamma: int | str  # "auto": AdaptiveGamma chose per pass
     new_tokens: int
     plain_s: float
     speculative_s: float
@@ -171,7 +183,7 @@ def bench_speculative(
     tokenizer: Any,
     prompts: list[Any],
     drafts: dict[str, Draft],
-    gamma: int = 4,
+    gamma: int | str = 4,
     max_new_tokens: int = 48,
     repeats: int = 3,
     warmup: int = 1,
@@ -187,12 +199,21 @@ def bench_speculative(
     without the prompts' prefill (the target's, and a model draft's own), which is reported
     apart. Tokens and statistics are the last full-length run's. ``costs`` (``step_costs``)
     supply c and v for the prediction; measured when not given.
+
+    ``gamma="auto"``: every draft chooses its drafts before each pass (``AdaptiveGamma``, up
+    to ``MAX_TOKENS - 1``, with its c and v from ``costs``, which then need every γ up to
+    that); the prediction is then the theory summed over the passes' own choices.
     """
     check_bench_counts(gamma, max_new_tokens, repeats, warmup)
     if not prompts:
         raise ValueError("No prompts to decode; pass at least one (e.g. chat_prompts()).")
+    gammas = tuple(range(1, MAX_TOKENS)) if gamma == AUTO else (gamma,)
     if costs is None:
-        costs = step_costs(target, drafts, (gamma,))
+        costs = step_costs(target, drafts, gammas)
+    missing = [g for g in gammas if f"verify {g}" not in costs]
+    if missing:
+        raise ValueError(f"costs lack the verification pass for gamma {missing}; measure them "
+                         f"with step_costs(target, drafts, {gammas}).")  # fmt: skip
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     lengths = [len(generate(target, tokenizer, i, max_new_tokens=max_new_tokens)) for i in ids]
     decoded = sum(lengths) - len(ids)  # tokens after each prompt's first one
@@ -202,6 +223,12 @@ def bench_speculative(
             "use other prompts."
         )
     stats: dict[str, list[Any]] = {name: [] for name in drafts}
+
+    def policy(name: str) -> int | AdaptiveGamma:
+        if gamma != AUTO:
+            return gamma
+        verify = {g: costs[f"verify {g}"] for g in gammas}
+        return AdaptiveGamma(MAX_TOKENS - 1, costs.get(name, 0.0), verify)
 
     def decode_all(name: str) -> Callable[[int], list[int]]:
         """Decodes every prompt to its answer's length (n > 1) or to one token (n = 1),
@@ -217,8 +244,9 @@ def bench_speculative(
                     )
                 else:
                     new, st = speculative_generate(
-                        target, tokenizer, prompt, drafts[name], gamma, k, stop_at_eos=False
-                    )
+                        target, tokenizer, prompt, drafts[name], policy(name), k,
+                        stop_at_eos=False,
+                    )  # fmt: skip
                     tokens, runs = tokens + new, [*runs, st]
             if name != "plain":
                 stats[name] = runs
@@ -241,7 +269,14 @@ def bench_speculative(
         kept, speed = stats[name], speeds[name]
         accepted, judged = sum(s.accepted for s in kept), sum(s.judged for s in kept)
         alpha = accepted / judged if judged else 0.0
-        c, v = costs.get(name, 0.0), costs[f"verify {gamma}"]
+        c = costs.get(name, 0.0)
+        if gamma == AUTO:
+            used = [k for st in kept for k in st.per_pass_gamma]
+            predicted = predicted_from_passes(alpha, used, c, costs)
+            v = sum(1.0 if k == 0 else costs[f"verify {k}"] for k in used) / max(len(used), 1)
+        else:
+            v = costs[f"verify {gamma}"]
+            predicted = expected_speedup(alpha, gamma, c, v)
         rows.append(
             SpecRow(
                 draft=name,
@@ -254,7 +289,7 @@ def bench_speculative(
                 tokens_per_call=sum(s.new_tokens for s in kept) / sum(s.target_calls for s in kept),
                 cost_ratio=c,
                 verify_cost=v,
-                predicted=expected_speedup(alpha, gamma, c, v),
+                predicted=predicted,
                 same_tokens=speed.tokens == plain.tokens,
                 plain_prefill_s=prefill["plain"] / n,
                 prefill_s=prefill[name] / n,
@@ -263,9 +298,23 @@ def bench_speculative(
     return rows
 
 
-def check_bench_counts(gamma: int, max_new_tokens: int, repeats: int, warmup: int) -> None:
-    """The benchmark's counts: gamma, new tokens and repeats >= 1, warm-up rounds >= 0."""
-    check_count(gamma, "gamma", fix="draft tokens per target pass, e.g. 4")
+def predicted_from_passes(
+    alpha: float, gammas: list[int], cost_ratio: float, costs: dict[str, float]
+) -> float:
+    """The theory's speedup for passes that drafted ``gammas`` (0: a plain step):
+    Σ E[tokens](α, k) / Σ (k c + v(k)), v(0) = 1."""
+    if not gammas:
+        return 1.0
+    tokens = sum(1.0 if k == 0 else expected_tokens_per_call(alpha, k) for k in gammas)
+    cost = sum(1.0 if k == 0 else k * cost_ratio + costs[f"verify {k}"] for k in gammas)
+    return tokens / cost
+
+
+def check_bench_counts(gamma: int | str, max_new_tokens: int, repeats: int, warmup: int) -> None:
+    """The benchmark's counts: gamma ("auto" or >= 1), new tokens and repeats >= 1, warm-up
+    rounds >= 0."""
+    if gamma != AUTO:
+        check_count(gamma, "gamma", fix="draft tokens per target pass, e.g. 4, or 'auto'")
     check_count(
         max_new_tokens, "max_new_tokens", minimum=2,
         fix="the decode steps are timed as the difference of an n-token and a 1-token run",
@@ -290,11 +339,23 @@ def format_rows(rows: list[SpecRow]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.draft:<15}{r.gamma:>6}{r.alpha:>7.2f}{r.tokens_per_call:>9.2f}{r.cost_ratio:>6.2f}"
+            f"{r.draft:<15}{r.gamma!s:>6}{r.alpha:>7.2f}{r.tokens_per_call:>9.2f}{r.cost_ratio:>6.2f}"
             f"{r.verify_cost:>6.2f}{r.speedup:>8.2f}x{r.predicted:>9.2f}x"
             f"{1e3 * r.prefill_s:>7.0f}ms  {r.same_tokens}"
         )
     return "\n".join(lines)
+
+
+def gamma_arg(text: str) -> int | str:
+    """--gamma: a whole number or "auto"."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--gamma takes a whole number >= 1 or 'auto', got {text!r}"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -302,7 +363,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--drafts", nargs="+", default=list(DRAFTS), choices=list(DRAFTS))
     parser.add_argument("--prompts", default="all", choices=[*PROMPTS, "all"])
-    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass")
+    parser.add_argument(
+        "--gamma", type=gamma_arg, default=4,
+        help="draft tokens per target pass, or 'auto': chosen before every pass from the "
+        "acceptance seen so far",
+    )  # fmt: skip
     parser.add_argument(
         "--max-new-tokens", type=int, default=48, help="longest answer decoded (default 48)"
     )
@@ -323,7 +388,8 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load(args.model, device=args.device)
     drafts = make_drafts(model, tokenizer, tuple(args.drafts), args.sparsity, args.exit_layers)
     kinds = list(PROMPTS) if args.prompts == "all" else [args.prompts]
-    costs = step_costs(model, drafts, (args.gamma,))
+    gammas = tuple(range(1, MAX_TOKENS)) if args.gamma == AUTO else (args.gamma,)
+    costs = step_costs(model, drafts, gammas)
     print(
         f"target step: {costs['target step ms']:.1f} ms; costs in target steps: "
         + ", ".join(f"{k} {v:.2f}" for k, v in costs.items() if k != "target step ms")

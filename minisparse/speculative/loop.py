@@ -28,7 +28,9 @@ all importable from here:
 * ``drafts``: ``Draft`` and the drafts (``ModelDraft``, ``early_exit_draft``,
   ``sparse_draft``, ``int8_draft``, ``prompt_lookup_draft``);
 * ``theory``: expected tokens per pass (1 − α^(γ+1)) / (1 − α), the speedup
-  E[tokens] / (γ c + v(γ)), ``best_gamma`` and ``teacher_forced_alpha``.
+  E[tokens] / (γ c + v(γ)), ``best_gamma``, ``choose_gamma`` and ``teacher_forced_alpha``;
+* ``adaptive``: ``AdaptiveGamma``, which picks γ before every pass (0: do not draft) from
+  the acceptance seen so far, so that a draft never makes decoding slower than plain.
 
 References: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative
 Decoding" (ICML 2023); Chen et al., "Accelerating Large Language Model Decoding with
@@ -57,6 +59,7 @@ from ..core.generate import (
 )
 from ..core.model import Transformer, check_count, make_cache
 from ..runtime.decoder import MAX_TOKENS, Decoder
+from .adaptive import AdaptiveGamma, linear_verify_cost
 from .drafts import (
     Draft,
     ModelDraft,
@@ -81,6 +84,7 @@ from .sampling import (
 from .theory import (
     best_gamma,
     check_gamma,
+    choose_gamma,
     expected_speedup,
     expected_tokens_per_call,
     teacher_forced_alpha,
@@ -164,6 +168,7 @@ class SpeculativeStats:
     target_seconds: float = 0.0  # prefill + verification passes
     draft_seconds: float = 0.0
     per_pass: list[int] = field(default_factory=list)  # new tokens of each verification pass
+    per_pass_gamma: list[int] = field(default_factory=list)  # drafts each pass verified
 
     @property
     def alpha(self) -> float:
@@ -192,7 +197,7 @@ def speculative_generate(
     tokenizer: Any,
     prompt: Prompt,
     draft: Draft | Transformer,
-    gamma: int = 4,
+    gamma: int | AdaptiveGamma = 4,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -208,9 +213,17 @@ def speculative_generate(
     ``stop_at_eos=False``) or ``max_new_tokens``. Returns (new token ids, ``SpeculativeStats``).
     Sampling without ``seed`` draws from torch's global generator. Every argument is checked
     before any work.
+
+    ``gamma`` is the drafts per pass, or an ``AdaptiveGamma`` that chooses them before every
+    pass from the acceptance seen so far (0: a plain step; ``stats.per_pass_gamma`` records
+    the choices). It is reset at the start.
     """
     start_time = time.perf_counter()
-    check_gamma(gamma)
+    policy = gamma if isinstance(gamma, AdaptiveGamma) else None
+    if policy is None:
+        check_gamma(gamma)
+    else:
+        policy.reset()
     draft = as_draft(draft)
     check_compatible(target, tokenizer, draft)
     sampling = Sampling(temperature, top_k, top_p)
@@ -240,9 +253,13 @@ def speculative_generate(
     out: list[int] = []
     while len(out) < max_new_tokens:
         # The target adds one token of its own per pass, so propose at most what still fits.
-        k = min(gamma, max_new_tokens - len(out) - 1)
+        want = gamma if policy is None else policy.next_gamma()
+        k = min(want, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
         proposal, q = draft.propose(ids, k, sampling, generator) if k > 0 else ([], None)
+        # a free draft that sits out is still asked for its would-be token (judged below)
+        shadow = policy is not None and want == 0 and policy.free and sampling.greedy
+        would_be = draft.propose(ids, 1, sampling, generator)[0] if shadow else []
         t1 = time.perf_counter()
         chunk = [ids[-1], *proposal]
         if decoder is not None and len(chunk) <= MAX_TOKENS:
@@ -260,6 +277,11 @@ def speculative_generate(
         stats.proposed += len(proposal)
         stats.judged += min(n_ok + 1, len(proposal))
         stats.accepted += n_ok
+        stats.per_pass_gamma.append(len(proposal))
+        if policy is not None and shadow:
+            policy.observe(would_be, token)
+        elif policy is not None:
+            policy.update(n_ok, min(n_ok + 1, len(proposal)))
         new = [*proposal[:n_ok], token]
         for i, t in enumerate(new):  # cut after an end-of-sequence token
             if t in stops:
@@ -277,6 +299,7 @@ def speculative_generate(
 
 
 __all__ = [
+    "AdaptiveGamma",
     "Draft",
     "ModelDraft",
     "PromptLookupDraft",
@@ -287,12 +310,14 @@ __all__ = [
     "best_gamma",
     "check_compatible",
     "check_gamma",
+    "choose_gamma",
     "common_prefix",
     "early_exit_draft",
     "emitted_distribution",
     "expected_speedup",
     "expected_tokens_per_call",
     "int8_draft",
+    "linear_verify_cost",
     "model_with_layers",
     "point_mass",
     "prompt_lookup_draft",

@@ -14,9 +14,12 @@ round costs γ c + v(γ) and
     speedup = (1 − α^(γ+1)) / ((1 − α)(γ c + v(γ))).
 
 More drafts help only while the extra expected tokens outweigh their cost: ``best_gamma``
-searches γ. The real α is not i.i.d. (easy stretches accept runs, hard ones reject at once);
-``teacher_forced_alpha`` predicts it from one pass of each model over the same text, which is
-what verification sees after every accepted token.
+searches γ for a known α, and ``choose_gamma`` also allows γ = 0 (do not draft) when no γ
+beats plain decoding, which is what an adaptive loop asks before every pass with the α it
+has seen so far (``speculative.loop.AdaptiveGamma``). The real α is not i.i.d. (easy
+stretches accept runs, hard ones reject at once); ``teacher_forced_alpha`` predicts it from
+one pass of each model over the same text, which is what verification sees after every
+accepted token.
 
 References: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative
 Decoding" (ICML 2023), for both formulas; Chen et al., "Accelerating Large Language Model
@@ -87,6 +90,28 @@ def best_gamma(
     )
 
 
+def choose_gamma(
+    alpha: float,
+    cost_ratio: float,
+    verify_cost: Callable[[int], float],
+    max_gamma: int,
+) -> int:
+    """The number of drafts k in 0..max_gamma with the most expected tokens per unit of time.
+
+    k = 0 is plain decoding: one token for one step (speedup 1). Any k >= 1 is worth it only
+    when ``expected_speedup(α, k, c, v(k))`` beats 1, so a draft whose acceptance has fallen
+    low, or a CPU whose passes cost much more than a step, drafts nothing and loses nothing.
+    ``verify_cost(k)``: a target pass over k + 1 tokens in single-step units.
+    """
+    check_gamma(max_gamma)
+    best, best_speed = 0, 1.0
+    for k in range(1, max_gamma + 1):
+        speed = expected_speedup(alpha, k, cost_ratio, verify_cost(k))
+        if speed > best_speed:
+            best, best_speed = k, speed
+    return best
+
+
 @torch.inference_mode()
 def teacher_forced_alpha(
     target: Transformer, draft_model: Transformer, tokens: Tensor, sampling: Sampling | None = None
@@ -108,6 +133,7 @@ def teacher_forced_alpha(
 __all__ = [
     "best_gamma",
     "check_gamma",
+    "choose_gamma",
     "expected_speedup",
     "expected_tokens_per_call",
     "teacher_forced_alpha",
