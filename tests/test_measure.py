@@ -12,7 +12,18 @@ from conftest import tiny_model
 from minisparse.io import eval as E
 from minisparse.measure import machine as M
 from minisparse.measure import timing
-from minisparse.measure.compare import SAME, Interval, spread, verdict
+from minisparse.measure.compare import (
+    MEETS,
+    MISSES,
+    SAME,
+    UNDETERMINED,
+    Interval,
+    against_goal,
+    median_interval,
+    spread,
+    verdict,
+)
+from minisparse.measure.timing import rounds_until_narrow
 
 
 def test_the_bandwidth_is_measured_once_per_machine_and_then_read(tmp_path, monkeypatch):
@@ -128,3 +139,49 @@ def test_paired_ratios_divide_each_rounds_pair():
     assert paired_ratios([2.0, 3.0, 8.0], [1.0, 4.0, 2.0]) == [2.0, 0.75, 4.0]
     with pytest.raises(ValueError):
         paired_ratios([1.0], [1.0, 2.0])
+
+
+def test_median_interval_covers_the_median_at_its_confidence():
+    """The order-statistic interval against brute force: over many samples of a skewed law
+    (exponential, median ln 2), the interval holds the true median at least 95 % of the time,
+    and its ends are the binomial indices for n = 9 and 20 (tables: x_2..x_8, x_6..x_15)."""
+    gen = torch.Generator().manual_seed(0)
+    hits = 0
+    for _ in range(2000):
+        x = (-torch.rand(15, generator=gen).log()).tolist()
+        iv = median_interval(x)
+        hits += iv.low <= math.log(2) <= iv.high
+    assert 0.95 <= hits / 2000 <= 0.99
+    assert (median_interval(range(1, 10)).low, median_interval(range(1, 10)).high) == (2, 8)
+    assert (median_interval(range(1, 21)).low, median_interval(range(1, 21)).high) == (6, 15)
+    assert median_interval([3.0, 1.0]) == Interval(2.0, 1.0, 3.0)  # too few: the range
+    with pytest.raises(ValueError, match="at least one"):
+        median_interval([])
+
+
+def test_a_goal_is_met_missed_or_undetermined_by_the_whole_interval():
+    assert against_goal(Interval(1.5, 1.46, 1.6), 1.45) == MEETS
+    assert against_goal(Interval(1.3, 1.2, 1.44), 1.45) == MISSES
+    assert against_goal(Interval(1.5, 1.4, 1.6), 1.45) == UNDETERMINED
+    assert Interval(2.0, 1.9, 2.3).half_width == pytest.approx(0.15)
+
+
+def test_rounds_are_added_until_the_median_is_narrow():
+    """Noisy rounds: more are run until the interval is within ±10 %; steady ones stop at
+    the first batch; the cap holds."""
+    gen = torch.Generator().manual_seed(1)
+    calls = []
+
+    def noisy(n):
+        calls.append(n)
+        return (1.3 + 0.3 * torch.randn(n, generator=gen)).tolist()
+
+    ratios = rounds_until_narrow(noisy, first=5, most=41, width=0.1, step=4)
+    assert calls[0] == 5 and all(c <= 4 for c in calls[1:]) and len(calls) > 1
+    assert median_interval(ratios).half_width <= 0.1 or len(ratios) == 41
+    assert median_interval(ratios[:-calls[-1]]).half_width > 0.1  # it stopped at the first
+    assert rounds_until_narrow(lambda n: [1.0] * n, first=7) == [1.0] * 7
+    wide = rounds_until_narrow(lambda n: [1.0, 5.0, 9.0][:n] * 1, first=3, most=9, step=3)
+    assert len(wide) == 9  # never narrow: stops at the cap
+    with pytest.raises(ValueError, match="first <= most"):
+        rounds_until_narrow(noisy, first=9, most=3)

@@ -99,6 +99,14 @@ def test_bench_reports_the_same_tokens_and_a_ceiling_above_one():
     assert r.ceiling > 1 and r.dense_mb_per_token == step_bytes(dense) / 1e6
     assert r.share_of_ceiling == pytest.approx(r.ratio / r.ceiling)
     assert list(r.site_sparsity) == ["down_in"] and r.sparsity == r.site_sparsity["down_in"] > 0.2
+    assert r.rounds == 2 and r.ratio_low <= r.ratio <= r.ratio_high and r.read_gbs > 0
+    assert r.sparse_gbs == pytest.approx(r.sparse_mb_per_token * r.sparse_tok_s / 1e3)
+    assert r.share_interval().low == pytest.approx(r.ratio_low / r.ceiling)
+    grown = bench_sparse_decode(
+        dense, sparse, PROMPT, None, max_new_tokens=4, repeats=3, progress=False, most=9
+    )  # more rounds only while the interval is wide, never past ``most``
+    assert 3 <= grown.rounds <= 9
+    assert grown.rounds == 9 or grown.interval().half_width <= 0.1
     other = relu_thresholded(seed=4, down_in=0.0)[0]
     r = bench_sparse_decode(
         dense, other, PROMPT, eval_ids, max_new_tokens=12, repeats=1, progress=False

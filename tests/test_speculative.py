@@ -506,6 +506,7 @@ def test_bench_rows_on_tiny_models(target):
         assert r.prefill_s > 0 and r.plain_prefill_s > 0
         c = costs.get(r.draft, 0.0)
         assert r.predicted == pytest.approx(S.expected_speedup(r.alpha, 3, c, costs["verify 3"]))
+        assert 0 < r.cap < float("inf") and r.realized == pytest.approx(r.speedup / r.cap)
     assert "same tokens" in B.format_rows(rows)
 
 
@@ -530,6 +531,10 @@ def test_bench_with_adaptive_gamma_predicts_from_the_passes_own_choices(target):
     cost = sum(1 if k == 0 else 0.4 * k + 1 + 0.1 * k for k in st.per_pass_gamma)
     got = B.predicted_from_passes(st.alpha, st.per_pass_gamma, 0.4, costs)
     assert got == pytest.approx(tokens / cost)
+    measured = {"verify 2": 1.2, "verify 4": 1.6}  # v(k) between measured passes: a line
+    assert [B.verify_cost(k, measured) for k in (0, 1, 2, 3, 5)] == pytest.approx(
+        [1.0, 1.1, 1.2, 1.45, 1.75]
+    )
     with pytest.raises(ValueError, match="lack the verification pass for gamma"):
         B.bench_speculative(target, None, [[1, 2]], drafts, "auto", 4, costs={"verify 4": 1.0})
     with pytest.raises((ValueError, TypeError), match="'auto'"):

@@ -40,6 +40,7 @@ from ..core.model import Transformer, init_weights_
 from ..course.prepare import _relu_predictors
 from ..engine.compose import load_selector, sparse_model
 from ..io.data import corpus, encode, token_batches
+from ..measure.compare import against_goal
 from ..measure.machine import machine
 from ..predictors import Predictors
 from ..predictors.lowrank import Predictor, init_random
@@ -136,14 +137,24 @@ def bench_random_shape(
     return results
 
 
+#: What a sparse step should reach: this share of its byte ceiling (the bytes it skips).
+CEILING_GOAL = 0.92
+
+
 def _table(r: SparseDecodeResult) -> str:
+    share = r.share_interval()
     return (
-        f"{'model':8s} {'tok/s':>8s} {'MB/tok':>8s} {'ppl':>8s}\n"
-        f"{'dense':8s} {r.dense_tok_s:8.1f} {r.dense_mb_per_token:8.1f} {r.ppl_dense:8.2f}\n"
-        f"{'sparse':8s} {r.sparse_tok_s:8.1f} {r.sparse_mb_per_token:8.1f} {r.ppl_sparse:8.2f}\n"
-        f"ratio {r.ratio:.2f}x (sparse / dense) | ceiling {r.ceiling:.2f}x (bytes dense / "
-        f"sparse) | {r.share_of_ceiling:.0%} of the ceiling | measured sparsity {r.sparsity:.1%}"
-        f" | same tokens: {'yes' if r.same_tokens else 'no'}"
+        f"{'model':8s} {'tok/s':>8s} {'MB/tok':>8s} {'GB/s':>6s} {'ppl':>8s}\n"
+        f"{'dense':8s} {r.dense_tok_s:8.1f} {r.dense_mb_per_token:8.1f} {r.dense_gbs:6.1f} "
+        f"{r.ppl_dense:8.2f}\n"
+        f"{'sparse':8s} {r.sparse_tok_s:8.1f} {r.sparse_mb_per_token:8.1f} {r.sparse_gbs:6.1f} "
+        f"{r.ppl_sparse:8.2f}\n"
+        f"read bandwidth in this run {r.read_gbs:.1f} GB/s\n"
+        f"ratio {r.interval()}x (sparse / dense: median of {r.rounds} paired rounds, 95 % "
+        f"interval) | ceiling {r.ceiling:.2f}x (bytes dense / sparse) | {share.mid:.0%} of the "
+        f"ceiling ({share.low:.0%}-{share.high:.0%}): {against_goal(share, CEILING_GOAL)} the "
+        f"{CEILING_GOAL:.0%} goal | measured sparsity {r.sparsity:.1%} | same tokens: "
+        f"{'yes' if r.same_tokens else 'no'}"
     )
 
 
@@ -156,6 +167,9 @@ def _check_arguments(args: argparse.Namespace) -> str:
     """The method to run, after checking every option (before any model loads)."""
     check_count(args.max_new_tokens, "--max-new-tokens")
     check_count(args.repeats, "--repeats", fix="the benchmark reports the median of the repeats")
+    most = getattr(args, "most_repeats", args.repeats)
+    check_count(most, "--most-repeats", minimum=args.repeats,
+                fix="at least --repeats: the rounds the ratio may grow to")  # fmt: skip
     check_count(args.layers, "--layers", fix="a random model needs at least one layer")
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("--prompt is empty; give some text to decode after, or leave it out.")
@@ -211,7 +225,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--layers", type=int, default=2, help="--shape: layers (default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (16)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7, help="paired rounds first (7)")
+    parser.add_argument(
+        "--most-repeats", type=int, default=31,
+        help="more rounds, up to this many, while the ratio's 95%% interval is wider than "
+        "±10%% (default 31)",
+    )  # fmt: skip
     parser.add_argument("--prompt", default=None, help="a user message (default: a grounded one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -228,8 +247,9 @@ def _real_model(args: argparse.Namespace, method: str) -> SparseDecodeResult:
     dense, sparse = _make_models(method, base, tokenizer, calibration, sparsity)
     print(f"{method}: {len(prompt_ids)} prompt tokens, then {args.max_new_tokens} timed")
     return bench_sparse_decode(
-        dense, sparse, prompt_ids, eval_ids, method, args.max_new_tokens, args.repeats
-    )
+        dense, sparse, prompt_ids, eval_ids, method, args.max_new_tokens, args.repeats,
+        most=args.most_repeats,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

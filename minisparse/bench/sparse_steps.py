@@ -22,6 +22,7 @@ LM head stay dense. ``share_of_ceiling`` = (sparse / dense tokens/s) / ceiling.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,8 @@ from ..core.model import Transformer
 from ..engine.compose import step_bytes
 from ..io.eval import perplexity
 from ..kvcache.contiguous import make_kv_cache
-from ..measure.timing import interleaved_decode
+from ..measure.compare import Interval, median_interval
+from ..measure.timing import ModelSpeed, interleaved_decode, read_bandwidth, rounds_until_narrow
 from ..predictors import LayerSelect, Predictors
 from ..predictors.pipeline import predicted_masks_applied
 from ..quant.apply import streamed_bytes
@@ -81,12 +83,29 @@ class SparseDecodeResult:
     same_tokens: bool  # the two greedy token lists, first token included, are equal
     ratio: float  # sparse / dense speed, paired per round (``ModelSpeed.paired_speedup``)
     site_sparsity: dict[str, float] = field(default_factory=dict)  # the mean of each site
+    ratio_low: float = float("nan")  # the 95 % interval of ``ratio`` (``median_interval``)
+    ratio_high: float = float("nan")
+    rounds: int = 0  # interleaved rounds the ratio rests on
+    read_gbs: float = float("nan")  # read bandwidth measured in the same run, around the rounds
     ceiling: float = field(init=False)  # dense / sparse bytes per token
     share_of_ceiling: float = field(init=False)  # ratio / ceiling
+    dense_gbs: float = field(init=False)  # weight bytes streamed per second while decoding
+    sparse_gbs: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.ceiling = self.dense_mb_per_token / self.sparse_mb_per_token
         self.share_of_ceiling = self.ratio / self.ceiling
+        self.dense_gbs = self.dense_mb_per_token * self.dense_tok_s / 1e3
+        self.sparse_gbs = self.sparse_mb_per_token * self.sparse_tok_s / 1e3
+
+    def interval(self) -> Interval:
+        """The paired ratio within its 95 % interval."""
+        return Interval(self.ratio, self.ratio_low, self.ratio_high)
+
+    def share_interval(self) -> Interval:
+        """The share of the ceiling within its 95 % interval."""
+        c = self.ceiling
+        return Interval(self.ratio / c, self.ratio_low / c, self.ratio_high / c)
 
 
 def thresholded_step_bytes(model: Transformer, shares: Shares) -> float:
@@ -189,17 +208,36 @@ def site_zero_shares(model: Transformer, prompt_ids: list[int], tokens: list[int
 def bench_sparse_decode(
     dense: Transformer, sparse: Transformer, prompt_ids: list[int], eval_ids: Tensor | None,
     method: str = "teal", max_new_tokens: int = 64, repeats: int = 5, progress: bool = True,
+    most: int | None = None,
 ) -> SparseDecodeResult:  # fmt: skip
     """Decode tokens/s of ``dense`` and ``sparse`` side by side, their bytes per token at the
     sparsity measured on the decoded tokens, and their perplexity on ``eval_ids`` (NaN when
-    it is None: random weights)."""
+    it is None: random weights).
+
+    ``repeats`` interleaved rounds first (after one warm-up round), then more, up to ``most``
+    (default: ``repeats``, no more), while the paired ratio's 95 % interval is wider than
+    ±10 % (``timing.rounds_until_narrow``). The read bandwidth is measured just before and
+    just after the rounds, in this process (the mean of the two)."""
     firsts, runs = {}, {}
     for name, model in (("dense", dense), ("sparse", sparse)):
         firsts[name], runs[name] = greedy_steps(model, prompt_ids, max_new_tokens)
     mlps = [m for m in sparse.modules() if isinstance(m, SparseMLP)]
     for m in mlps:  # count the decode runs' steps only
         m.step_density = [0.0, 0]
-    speeds = interleaved_decode(runs, repeats, 1, progress)
+    before = read_bandwidth(repeats=5)
+    speeds: dict[str, ModelSpeed] = {}
+
+    def more(n: int) -> list[float]:
+        first = not speeds
+        got = interleaved_decode(runs, n, 1 if first else 0, progress)
+        for name, speed in got.items():  # the rounds so far, and the latest tokens
+            rounds = speed.rounds if first else [*speeds[name].rounds, *speed.rounds]
+            speeds[name] = ModelSpeed(1.0 / statistics.median(rounds), speed.tokens, rounds)
+        return got["sparse"].round_speedups(got["dense"])
+
+    ratios = rounds_until_narrow(more, repeats, max(repeats, most or repeats))
+    bandwidth = (before + read_bandwidth(repeats=5)) / 2
+    ratio = median_interval(ratios)
     tokens = {name: [firsts[name], *speeds[name].tokens] for name in runs}
     means = {"neurons": [1 - d / n for d, n in (m.step_density for m in mlps) if n]}
     shares = {site: [0.0] * len(sparse.layers) for site in SITE_PROJECTIONS}
@@ -224,6 +262,10 @@ def bench_sparse_decode(
         ppl_sparse=ppl[1],
         sparsity=sum(values) / len(values) if values else 0.0,
         same_tokens=tokens["dense"] == tokens["sparse"],
-        ratio=speeds["sparse"].paired_speedup(speeds["dense"]),
+        ratio=ratio.mid,
         site_sparsity={site: sum(v) / len(v) for site, v in means.items() if v},
+        ratio_low=ratio.low,
+        ratio_high=ratio.high,
+        rounds=len(ratios),
+        read_gbs=bandwidth,
     )

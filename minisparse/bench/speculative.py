@@ -31,6 +31,7 @@ import torch
 
 from ..core.generate import encode_prompt, generate
 from ..core.model import Transformer, check_count, make_cache
+from ..measure.compare import Interval, median_interval
 from ..measure.machine import machine
 from ..measure.timing import interleaved_decode_steps, interleaved_medians
 from ..runtime.decoder import MAX_TOKENS, Decoder
@@ -64,6 +65,7 @@ __all__ = [
     "predicted_from_passes",
     "run",
     "step_costs",
+    "verify_cost",
 ]
 
 
@@ -176,6 +178,20 @@ class SpecRow:
     same_tokens: bool
     plain_prefill_s: float = 0.0
     prefill_s: float = 0.0
+    speedup_low: float = float("nan")  # the 95 % interval of the paired speedup
+    speedup_high: float = float("nan")  # (``median_interval`` over the rounds)
+    rounds: int = 0
+    cap: float = float("nan")  # tokens per pass / cost per pass: what the acceptance allows
+
+    @property
+    def realized(self) -> float:
+        """The measured speedup as a share of ``cap``: what the loop delivers of what its
+        drafts' acceptance and the measured costs allow (1: no overhead at all)."""
+        return self.speedup / self.cap
+
+    def interval(self) -> Interval:
+        """The paired speedup within its 95 % interval over the rounds."""
+        return Interval(self.speedup, self.speedup_low, self.speedup_high)
 
 
 def bench_speculative(
@@ -269,14 +285,15 @@ def bench_speculative(
         kept, speed = stats[name], speeds[name]
         accepted, judged = sum(s.accepted for s in kept), sum(s.judged for s in kept)
         alpha = accepted / judged if judged else 0.0
-        c = costs.get(name, 0.0)
+        c, paired = costs.get(name, 0.0), median_interval(speed.round_speedups(plain))
+        used = [k for st in kept for k in st.per_pass_gamma]
         if gamma == AUTO:
-            used = [k for st in kept for k in st.per_pass_gamma]
             predicted = predicted_from_passes(alpha, used, c, costs)
             v = sum(1.0 if k == 0 else costs[f"verify {k}"] for k in used) / max(len(used), 1)
         else:
             v = costs[f"verify {gamma}"]
             predicted = expected_speedup(alpha, gamma, c, v)
+        per_pass = sum(k * c + verify_cost(k, costs) for k in used)
         rows.append(
             SpecRow(
                 draft=name,
@@ -284,7 +301,11 @@ def bench_speculative(
                 new_tokens=sum(s.new_tokens for s in kept),
                 plain_s=per_token(plain),
                 speculative_s=per_token(speed),
-                speedup=speed.paired_speedup(plain),
+                speedup=paired.mid,
+                speedup_low=paired.low,
+                speedup_high=paired.high,
+                rounds=len(speed.rounds),
+                cap=sum(s.new_tokens for s in kept) / per_pass if per_pass else 1.0,
                 alpha=alpha,
                 tokens_per_call=sum(s.new_tokens for s in kept) / sum(s.target_calls for s in kept),
                 cost_ratio=c,
@@ -298,6 +319,21 @@ def bench_speculative(
     return rows
 
 
+def verify_cost(k: int, costs: dict[str, float]) -> float:
+    """v(k), a target pass over k + 1 tokens in single steps: ``costs["verify k"]`` when it
+    was measured, 1 for k = 0 (a plain step), else the line from (0, 1) to the nearest
+    measured pass above k (or the longest one measured)."""
+    if k == 0:
+        return 1.0
+    if f"verify {k}" in costs:
+        return costs[f"verify {k}"]
+    measured = sorted(int(key.split()[1]) for key in costs if key.startswith("verify "))
+    if not measured:
+        raise ValueError("costs hold no verification pass; measure one with step_costs.")
+    g = next((m for m in measured if m > k), measured[-1])
+    return 1.0 + (costs[f"verify {g}"] - 1.0) * k / g
+
+
 def predicted_from_passes(
     alpha: float, gammas: list[int], cost_ratio: float, costs: dict[str, float]
 ) -> float:
@@ -306,7 +342,7 @@ def predicted_from_passes(
     if not gammas:
         return 1.0
     tokens = sum(1.0 if k == 0 else expected_tokens_per_call(alpha, k) for k in gammas)
-    cost = sum(1.0 if k == 0 else k * cost_ratio + costs[f"verify {k}"] for k in gammas)
+    cost = sum(k * cost_ratio + verify_cost(k, costs) for k in gammas)
     return tokens / cost
 
 
@@ -334,15 +370,22 @@ def check_arguments(args: argparse.Namespace) -> None:
 def format_rows(rows: list[SpecRow]) -> str:
     head = (
         f"{'draft':<15}{'gamma':>6}{'alpha':>7}{'tok/pass':>9}{'c':>6}{'v':>6}"
-        f"{'speedup':>9}{'predicted':>10}{'prefill':>9}  same tokens"
+        f"{'speedup (95% interval)':>24}{'predicted':>10}{'cap':>6}{'real.':>6}{'prefill':>9}"
+        "  same tokens"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.draft:<15}{r.gamma!s:>6}{r.alpha:>7.2f}{r.tokens_per_call:>9.2f}{r.cost_ratio:>6.2f}"
-            f"{r.verify_cost:>6.2f}{r.speedup:>8.2f}x{r.predicted:>9.2f}x"
+            f"{r.verify_cost:>6.2f}{r.speedup:>8.2f}x ({r.speedup_low:.2f}-{r.speedup_high:.2f})"
+            f"{'':>3}{r.predicted:>9.2f}x{r.cap:>5.2f}x{r.realized:>6.0%}"
             f"{1e3 * r.prefill_s:>7.0f}ms  {r.same_tokens}"
         )
+    rounds = sorted({r.rounds for r in rows})
+    lines.append(
+        f"(speedups: median of {'/'.join(map(str, rounds))} paired rounds; cap: tokens per "
+        "pass / measured cost per pass (γ c + v); real.: speedup / cap)"
+    )
     return "\n".join(lines)
 
 

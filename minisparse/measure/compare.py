@@ -9,13 +9,25 @@ difference"), so a sentence built from it cannot claim more than the measurement
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SAME", "Interval", "spread", "verdict"]
+__all__ = [
+    "MEETS",
+    "MISSES",
+    "SAME",
+    "UNDETERMINED",
+    "Interval",
+    "against_goal",
+    "median_interval",
+    "spread",
+    "verdict",
+]
 
 SAME = "no measurable difference"
+MEETS, MISSES, UNDETERMINED = "meets", "misses", "undetermined"
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,11 @@ class Interval:
         if not self.low <= self.mid <= self.high:
             raise ValueError(f"An interval needs low <= mid <= high, got {self}.")
 
+    @property
+    def half_width(self) -> float:
+        """The larger distance from mid to an end, relative to mid (0.1: within ±10 %)."""
+        return max(self.mid - self.low, self.high - self.mid) / abs(self.mid)
+
     def overlaps(self, other: Interval) -> bool:
         return self.low <= other.high and other.low <= self.high
 
@@ -42,6 +59,40 @@ def spread(samples: Sequence[float]) -> Interval:
     if not samples:
         raise ValueError("spread needs at least one sample.")
     return Interval(statistics.median(samples), min(samples), max(samples))
+
+
+def median_interval(samples: Sequence[float], confidence: float = 0.95) -> Interval:
+    """The median of ``samples`` within a distribution-free ``confidence`` interval.
+
+    The number B of samples below the true median is Binomial(n, 1/2) whatever the samples'
+    law, so with the samples sorted, x_(j) < median < x_(n+1-j) holds with probability
+    1 − 2 P(B <= j − 1). j is the largest index that keeps that at or above ``confidence``.
+    With fewer than 6 samples even the range falls short of 95 % (its coverage is
+    1 − 2^(1−n)), and the range is returned: say how many rounds a ratio rests on.
+    """
+    if not samples:
+        raise ValueError("median_interval needs at least one sample.")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}.")
+    x, n = sorted(samples), len(samples)
+    tail, j = 0.0, 0  # tail = P(B <= j - 1) for the next j
+    while j < n // 2:
+        nxt = tail + math.comb(n, j) / 2**n
+        if 1.0 - 2.0 * nxt < confidence:
+            break
+        tail, j = nxt, j + 1
+    j = max(j, 1)
+    return Interval(statistics.median(x), x[j - 1], x[n - j])
+
+
+def against_goal(interval: Interval, goal: float) -> str:
+    """``MEETS`` when the whole interval is at or above ``goal``, ``MISSES`` when it is all
+    below, else ``UNDETERMINED``: a ratio whose interval straddles the goal proves neither."""
+    if interval.low >= goal:
+        return MEETS
+    if interval.high < goal:
+        return MISSES
+    return UNDETERMINED
 
 
 def verdict(

@@ -51,6 +51,7 @@ __all__ = [
     "per_token_rounds",
     "read_bandwidth",
     "roofline_seconds",
+    "rounds_until_narrow",
     "synchronize",
 ]
 
@@ -166,6 +167,33 @@ def per_token_rounds(
 def paired_ratios(reference: Sequence[float], own: Sequence[float]) -> list[float]:
     """Reference / own time, round by round: the speedup of each round's back-to-back pair."""
     return [ref / mine for ref, mine in zip(reference, own, strict=True)]
+
+
+def rounds_until_narrow(
+    more: Callable[[int], list[float]],
+    first: int = 7,
+    most: int = 31,
+    width: float = 0.10,
+    step: int = 4,
+) -> list[float]:
+    """Paired per-round ratios, more rounds at a time, until their median is known to ±width.
+
+    ``more(n)`` runs n further interleaved rounds and returns their ratios. After ``first``
+    rounds, ``step`` more are added while the 95 % interval of the median
+    (``compare.median_interval``) is wider than ``width`` of it on either side, up to ``most``
+    rounds in all; the caller reports how many it took and the interval (which may still be
+    wide at ``most``: then say so rather than claim a result).
+    """
+    from .compare import median_interval
+
+    if not 1 <= first <= most:
+        raise ValueError(f"Need 1 <= first <= most rounds, got first={first}, most={most}.")
+    if step < 1 or not 0.0 < width < 1.0:
+        raise ValueError(f"Need step >= 1 and 0 < width < 1, got step={step}, width={width}.")
+    ratios = list(more(first))
+    while len(ratios) < most and median_interval(ratios).half_width > width:
+        ratios += more(min(step, most - len(ratios)))
+    return ratios
 
 
 @dataclass
