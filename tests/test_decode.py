@@ -334,6 +334,56 @@ def test_more_tokens_than_one_call_takes_is_an_error():
             decoder.forward(list(range(9)), 0)
 
 
+def test_q8_activations_round_each_run_of_32_to_int8_against_a_loop():
+    """x̂ = d round(x / d), d = max|x| / 127 per 32 values, checked element by element in
+    float64 (the reference rounds x * (1 / d) in float32, as C does)."""
+    from minisparse.quant.layers import q8_activations
+
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3)) * 4
+    x[1, 32:64] = 0.0  # an all-zero run: d = 0, x̂ = 0
+    got = q8_activations(x)
+    for r in range(3):
+        for b in range(3):
+            run = x[r, 32 * b : 32 * b + 32]
+            d = float(run.abs().max()) / 127.0
+            for i, v in enumerate(run.tolist()):
+                q = 0 if d == 0 else round(float(torch.tensor(v) * (1 / torch.tensor(d))))
+                assert abs(q) <= 127
+                assert float(got[r, 32 * b + i]) == pytest.approx(q * d, abs=1e-6)
+    assert (got - x).abs().max() <= x.abs().max() / 254 * 1.0001  # half a step at most
+    with pytest.raises(ValueError, match="runs of 32"):
+        q8_activations(torch.ones(2, 40))
+
+
+@needs_compiler
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_int4_with_int8_activations_runs_in_c_like_its_torch_reference(n):
+    """``int8_activations_``: every int4 projection (LM head included) multiplies its blocks
+    with activations rounded to int8 per 32 (integer dot products in C); the torch layers
+    compute F.linear(q8_activations(x), dequantized W): the two agree, for single steps and for
+    passes of several tokens, and differ from the float-activation model by the rounding."""
+    from minisparse.quant.layers import Int4Linear, int8_activations_
+
+    model, _ = low_bit(tiny_model(seed=19, std=0.1, **INT4_SHAPE), "int4")
+    exact = copy.deepcopy(model)
+    int8_activations_(model)
+    assert all(m.act_int8 for m in model.modules() if isinstance(m, Int4Linear))
+    tokens = torch.randint(0, 112, (1, 6 + n), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        caches = [make_cache(model.config, 1, 16) for _ in range(3)]
+        for m, cache in zip((model, model, exact), caches, strict=True):
+            m(tokens[:, :6], torch.arange(6), cache)
+        decoder = Decoder(model, caches[1])
+        assert all_c(decoder)
+        ref = model(tokens[:, 6:], torch.arange(6, 6 + n), caches[0])[0]
+        got = decoder.forward(tokens[0, 6:].tolist(), 6).clone()
+        assert_close(ref, got)
+        other = Decoder(exact, caches[2]).forward(tokens[0, 6:].tolist(), 6)
+        assert (other - got).abs().max() > 1e-4  # the rounding is visible, not a no-op
+    with pytest.raises(ValueError, match="no Int4Linear"):
+        int8_activations_(tiny_model())
+
+
 @needs_compiler
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_low_bit_weights_run_in_c_and_equal_their_dequantized_math(weights):

@@ -22,8 +22,12 @@
 /* MLP activations. */
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 
-/* A weight matrix: float32 rows (scale NULL), int8 codes with float32 scales, or (q4 = 1)
-   4-bit blocks of 32 weights (matvec.h). in_stride > 0: a float32 transpose, one row per
+/* Mat.q4: 4-bit blocks times float32 activations, or times activations rounded to int8 per
+   block of 32 (matvec.h's dot_q4_q8). */
+enum { Q4_FLOAT_ACT = 1, Q4_INT8_ACT = 2 };
+
+/* A weight matrix: float32 rows (scale NULL), int8 codes with float32 scales, or (q4 =
+   Q4_FLOAT_ACT or Q4_INT8_ACT) 4-bit blocks of 32 weights (matvec.h). in_stride > 0: a float32 transpose, one row per
    input, rows in_stride floats apart, read only at non-zero inputs. nm_pos != NULL: a 2:4
    sparse matrix (chapter 12's NMLinear): data holds the 2 kept values of every 4 inputs
    [rows, cols / 2] (float32, or int8 codes when scale is set), nm_pos their positions 0..3
@@ -110,6 +114,7 @@ int64_t abi_layout(int64_t* out, int64_t n) {
         offsetof(SparseMlpLayer, pv_bias), offsetof(SparseMlpLayer, predictor_relu),
         offsetof(SparseMlpLayer, cutoff),
         MAX_TOKENS, GROUP, OK, BAD_INDEX, NO_MEMORY, ACT_SILU, ACT_RELU, ACT_GELU,
+        Q4_FLOAT_ACT, Q4_INT8_ACT,
     };
     const int64_t count = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < count && i < n; i++) out[i] = v[i];

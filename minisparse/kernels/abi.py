@@ -24,6 +24,8 @@ __all__ = [
     "MAX_TOKENS",
     "NO_MEMORY",
     "OK",
+    "Q4_FLOAT_ACT",
+    "Q4_INT8_ACT",
     "STRUCTS",
     "AttnLayer",
     "Mat",
@@ -38,13 +40,16 @@ MAX_TOKENS = 8  # the most tokens one decode call takes (a verification pass, ga
 GROUP = 8  # rows summed in registers before they are added to the output
 OK, BAD_INDEX, NO_MEMORY = 0, 1, 2  # return codes of the sparse loops
 ACT_CODES = {"silu": 0, "relu": 1, "gelu": 2}  # MLP activations
+# Mat.q4: 4-bit blocks times float32 activations, or times int8-rounded ones (blocks of 32)
+Q4_FLOAT_ACT, Q4_INT8_ACT = 1, 2
 
 _i64, _i32, _flt, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 
 class Mat(ctypes.Structure):
     """A weight matrix for C: float32 data (scale NULL), int8 codes and float32 scales, or
-    (``q4`` = 1) an ``Int4Linear``'s 4-bit blocks; ``in_stride`` > 0: a float32 transpose, one
+    (``q4`` = ``Q4_FLOAT_ACT``, or ``Q4_INT8_ACT`` to round the activations to int8 per 32)
+    an ``Int4Linear``'s 4-bit blocks; ``in_stride`` > 0: a float32 transpose, one
     row per input, rows ``in_stride`` floats apart (bundled with the other projections of the
     same input), read only at non-zero inputs. ``nm_pos`` set: a 2:4 sparse matrix
     (``NMLinear``): ``data`` the kept values [out, in / 2] (float32, or int8 codes with
@@ -121,6 +126,7 @@ def layout() -> list[int]:
         numbers.append(ctypes.sizeof(struct))
         numbers += [getattr(struct, name).offset for name, _ in struct._fields_]
     numbers += [MAX_TOKENS, GROUP, OK, BAD_INDEX, NO_MEMORY, *ACT_CODES.values()]
+    numbers += [Q4_FLOAT_ACT, Q4_INT8_ACT]
     return numbers
 
 

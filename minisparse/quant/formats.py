@@ -7,7 +7,10 @@ CPU kernels and the compiled decode step read directly: int8 codes with one scal
 row (a quarter of the float32 bytes), or 4-bit codes with a scale and zero point per
 ``INT4_GROUP`` weights (20 bytes per 32 weights: 0.156 of the float32 bytes).
 ``sparse_kernel``: whether a sparse MLP kernel reads the format (chapter 07's int8 loops do;
-there is no sparse int4 kernel).
+there is no sparse int4 kernel). ``int4-a8`` is the one format that is not exact arithmetic on
+its weights: the activations are rounded to int8 per 32 inputs so that the compiled step can
+use integer dot products (``quant.layers.q8_activations``); it is an explicit choice, never a
+default, and its perplexity is the price to check.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from ..core.model import Transformer
 from ..core.registry import Registry
 from .apply import quantize_model
+from .layers import int8_activations_
 
 __all__ = ["INT4_GROUP", "WEIGHT_FORMATS", "WeightFormat", "low_bit", "register_format"]
 
@@ -30,6 +34,7 @@ class WeightFormat:
     bits: int | None  # None: the float32 weights as they are
     group_size: int | None = None  # weights sharing a scale (None: one per output row)
     sparse_kernel: bool = True  # a sparse MLP kernel reads this format
+    act_int8: bool = False  # int4 layers multiply with int8-rounded activations (an approximation)
 
 
 WEIGHT_FORMATS: Registry[WeightFormat] = Registry("weight format")
@@ -42,9 +47,10 @@ def low_bit(model: Transformer, weights: str) -> Transformer:
     fmt = WEIGHT_FORMATS.find(weights)
     if fmt.bits is None:
         return model
-    return quantize_model(
+    quantized = quantize_model(
         model, bits=fmt.bits, group_size=fmt.group_size, packed=True, progress=False
     )
+    return int8_activations_(quantized) if fmt.act_int8 else quantized
 
 
 register_format(WeightFormat("fp32", "float32 weights, 4 bytes each", None))
@@ -56,5 +62,16 @@ register_format(
         4,
         INT4_GROUP,
         sparse_kernel=False,
+    )
+)
+register_format(
+    WeightFormat(
+        "int4-a8",
+        f"int4's weights times activations rounded to int8 per {INT4_GROUP} (integer dot "
+        "products, as llama.cpp's Q4 x Q8; not exact: compare perplexities)",
+        4,
+        INT4_GROUP,
+        sparse_kernel=False,
+        act_int8=True,
     )
 )

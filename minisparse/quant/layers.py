@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.model import is_input_major
-from ..kernels.abi import Mat
+from ..kernels.abi import Q4_FLOAT_ACT, Q4_INT8_ACT, Mat
 from ..runtime.lowering import lowers, plain_f32
 from .tensor import (
     QuantizedTensor,
@@ -198,6 +198,9 @@ class Int4Linear(PackedLinear):
     """
 
     duplicate_buffers = ("blocks",)  # the packed weights again, in a second layout
+    #: True: multiply with activations rounded to int8 per 32 inputs (``q8_activations``), as
+    #: the compiled step's integer dot products do (``int8_activations_``); False: float.
+    act_int8 = False
 
     def __init__(self, qt: QuantizedTensor, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -253,7 +256,9 @@ class Int4Linear(PackedLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.packed_for_cpu:
+        if self.act_int8:  # the compiled step's math: dequantized weights, rounded inputs
+            y = F.linear(q8_activations(flat.float()), self.dequantized())
+        elif self.packed_for_cpu:
             y = self._kernel(flat)
         else:
             y = F.linear(flat, self.dequantized().to(x.dtype))
@@ -265,6 +270,34 @@ class Int4Linear(PackedLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"block={self.block}, fast={self.fast}"
         )
+
+
+def q8_activations(x: Tensor) -> Tensor:
+    """x̂ = d q: each run of 32 values along the last axis rounded to int8 with its own scale
+    d = max|x| / 127 (q = round(x / d), half to even; computed as x (1 / d) in float32, as
+    the C step does). The reference of the compiled int4 x int8 product (``matvec.h``)."""
+    if x.shape[-1] % 32:
+        raise ValueError(f"int8 activations round runs of 32 inputs; got {x.shape[-1]} inputs.")
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
+def int8_activations_(model: nn.Module) -> nn.Module:
+    """Make every ``Int4Linear`` of ``model`` multiply with int8-rounded activations (in place;
+    returns the model): llama.cpp's Q4 x Q8 arithmetic, integer dot products in the compiled
+    step. An approximation of the float product: compare perplexities."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if not layers:
+        raise ValueError("The model has no Int4Linear layers; quantize it to int4 first.")
+    for m in layers:
+        if m.in_features % 32:
+            raise ValueError(
+                f"int8 activations need inputs in runs of 32; a layer has {m.in_features}."
+            )
+        m.act_int8 = True
+    return model
 
 
 def packed_linear(qt: QuantizedTensor, bias: Tensor | None) -> nn.Module:
@@ -294,10 +327,11 @@ def int8_mat(lin: Int8Linear, keep: list[Tensor]) -> Mat | None:
 
 @lowers("linear", Int4Linear)
 def int4_mat(lin: Int4Linear, keep: list[Tensor]) -> Mat | None:
-    """The compiled step reads the 4-bit blocks the CPU kernel's layout has (``q4`` = 1)."""
+    """The compiled step reads the 4-bit blocks the CPU kernel's layout has, with float32 or
+    int8-rounded activations (``act_int8``)."""
     if not lin.packed_for_cpu or lin.blocks.device.type != "cpu" or not plain_f32(lin.bias):
         return None
-    return Mat(lin.blocks.data_ptr(), None, 0, 1)
+    return Mat(lin.blocks.data_ptr(), None, 0, Q4_INT8_ACT if lin.act_int8 else Q4_FLOAT_ACT)
 
 
 __all__ = [
@@ -307,9 +341,11 @@ __all__ = [
     "Int8Linear",
     "PackedLinear",
     "int4_kernel_block",
+    "int8_activations_",
     "packed_linear",
     "q4_blocks",
     "q4_dequantize",
+    "q8_activations",
     "set_weight",
     "target_device",
 ]

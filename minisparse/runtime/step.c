@@ -51,14 +51,27 @@ static inline float activate(int act, float v) {
 }
 
 
+/* The most inputs (times tokens) whose int8 rounding a thread keeps on its stack (16 KB);
+   a wider 4-bit matrix with int8 activations falls back to float activations. */
+#define Q8_MAX_INPUTS 16384
+
 /* y = W x (+ b) over rows [0, N), split between the team's threads (called inside a parallel
    region by every thread; no barrier at the end). One row at a time: each thread reads its
    rows as one sequential stream. (Four rows at once, four interleaved streams per thread, was
    measured 2x slower on a 2-core AMD EPYC for the 576-wide rows of attention and the LM head:
    the hardware prefetcher follows one stream per thread far better than four.) */
 static void gemv_rows(Mat W, const float* b, const float* x, float* y, int64_t N, int64_t K) {
-    #pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < N; i++) y[i] = mdot(W, i, x, K);
+    if (W.q4 == Q4_INT8_ACT && K <= Q8_MAX_INPUTS) {  /* each thread rounds x once, then rows */
+        int8_t q[Q8_MAX_INPUTS];
+        float d[Q8_MAX_INPUTS / 32], c[Q8_MAX_INPUTS / 32];
+        quantize_q8(x, K, q, d, c);
+        const Q8Act a = {K / 32, q, d, c};
+        #pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < N; i++) y[i] = dot_q4_q8(q4_row(W, i, K), a);
+    } else {
+        #pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < N; i++) y[i] = mdot(W, i, x, K);
+    }
     if (b) {
         #pragma omp barrier
         #pragma omp for schedule(static) nowait
@@ -129,6 +142,20 @@ static void gemm_rows(Mat W, const float* bias, const float* X, float* Y, int64_
     }
     if (B == 1) {
         gemv_rows(W, bias, X, Y, N, K);
+        return;
+    }
+    if (W.q4 == Q4_INT8_ACT && B * K <= Q8_MAX_INPUTS) {  /* as gemv_rows, B tokens a row */
+        int8_t q[Q8_MAX_INPUTS];
+        float d[Q8_MAX_INPUTS / 32], c[Q8_MAX_INPUTS / 32];
+        Q8Act a[MAX_TOKENS];
+        for (int64_t b = 0; b < B; b++) {
+            quantize_q8(X + b * K, K, q + b * K, d + b * (K / 32), c + b * (K / 32));
+            a[b] = (Q8Act){K / 32, q + b * K, d + b * (K / 32), c + b * (K / 32)};
+        }
+        #pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t b = 0; b < B; b++)
+                Y[b * N + i] = dot_q4_q8(q4_row(W, i, K), a[b]) + (bias ? bias[i] : 0.0f);
         return;
     }
     if (W.q4 || W.nm_pos) {
@@ -285,7 +312,7 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
     float* n = scratch;      /* [B, D] */
     float* y = n + B * D;    /* [B, D] */
     float* h = y + B * D;    /* [B, F] */
-    float* gu = h + B * F;   /* [2, B, F]: gate and up, when they are read input-major */
+    float* gu = h + B * F;   /* [2, B, F]: gate and up, when read input-major or int8-rounded */
     float* parts = gu + 2 * B * F;  /* [threads, B, max(2 F, D)] */
     #pragma omp parallel num_threads(num_threads)
     {
@@ -294,11 +321,18 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
             rmsnorm(x + b * D, L->norm, L->eps, D, n + b * D);
             for (int64_t i = 0; i < D; i++) n[b * D + i] = slot(L->in, n[b * D + i]);
         }
-        if (L->wg.in_stride) {  /* TEAL: gate and up from one bundled row per non-zero input */
-            const int64_t N[2] = {F, F};
-            float* const Y[2] = {gu, gu + B * F};
-            const float* const bias[2] = {L->bg, L->bu};
-            scatter_gemm((const float*)L->wg.data, L->wg.in_stride, 2, N, Y, bias, n, B, D, parts);
+        const int q8 = L->wg.q4 == Q4_INT8_ACT && L->wu.q4 == Q4_INT8_ACT;
+        if (L->wg.in_stride || q8) {  /* gate and up into gu first, then the values */
+            if (L->wg.in_stride) {  /* TEAL: gate and up from one bundled row per non-zero input */
+                const int64_t N[2] = {F, F};
+                float* const Y[2] = {gu, gu + B * F};
+                const float* const bias[2] = {L->bg, L->bu};
+                scatter_gemm((const float*)L->wg.data, L->wg.in_stride, 2, N, Y, bias, n, B, D, parts);
+            } else {  /* int8 activations: two products, each rounding n once per thread */
+                gemm_rows(L->wg, L->bg, n, gu, B, F, D, parts);
+                gemm_rows(L->wu, L->bu, n, gu + B * F, B, F, D, parts);
+                #pragma omp barrier
+            }
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < F; j++)
                 for (int64_t b = 0; b < B; b++) {
