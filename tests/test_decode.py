@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_model
@@ -334,6 +335,13 @@ def test_more_tokens_than_one_call_takes_is_an_error():
             decoder.forward(list(range(9)), 0)
 
 
+def make_prefilled(model, tokens):
+    """A cache holding ``model``'s keys and values of the first 6 tokens."""
+    cache = make_cache(model.config, 1, 16)
+    model(tokens[:, :6], torch.arange(6), cache)
+    return cache
+
+
 def test_q8_activations_round_each_run_of_32_to_int8_against_a_loop():
     """x̂ = d round(x / d), d = max|x| / 127 per 32 values, checked element by element in
     float64 (the reference rounds x * (1 / d) in float32, as C does)."""
@@ -359,25 +367,37 @@ def test_q8_activations_round_each_run_of_32_to_int8_against_a_loop():
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_int4_with_int8_activations_runs_in_c_like_its_torch_reference(n):
     """``int8_activations_``: every int4 projection (LM head included) multiplies its blocks
-    with activations rounded to int8 per 32 (integer dot products in C); the torch layers
-    compute F.linear(q8_activations(x), dequantized W): the two agree, for single steps and for
-    passes of several tokens, and differ from the float-activation model by the rounding."""
-    from minisparse.quant.layers import Int4Linear, int8_activations_
+    with activations rounded to int8 per 32 (integer dot products in C), equal to the float
+    product of the dequantized weights with q8_activations(x), for single steps and for passes
+    of several tokens, and different from the float-activation model by the rounding."""
+    from minisparse.quant.layers import Int4Linear, int8_activations_, q8_activations
 
-    model, _ = low_bit(tiny_model(seed=19, std=0.1, **INT4_SHAPE), "int4")
+    class Rounded(nn.Linear):  # the reference: float math on the rounded inputs
+        def forward(self, x):
+            return F.linear(q8_activations(x), self.weight, self.bias)
+
+    model, reference = low_bit(tiny_model(seed=19, std=0.1, **INT4_SHAPE), "int4")
+    for parent in list(reference.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                rounded = Rounded(child.in_features, child.out_features, child.bias is not None)
+                rounded.load_state_dict(child.state_dict())
+                setattr(parent, name, rounded)
     exact = copy.deepcopy(model)
     int8_activations_(model)
     assert all(m.act_int8 for m in model.modules() if isinstance(m, Int4Linear))
     tokens = torch.randint(0, 112, (1, 6 + n), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         caches = [make_cache(model.config, 1, 16) for _ in range(3)]
-        for m, cache in zip((model, model, exact), caches, strict=True):
+        for m, cache in zip((reference, reference, exact), caches, strict=True):
             m(tokens[:, :6], torch.arange(6), cache)
         decoder = Decoder(model, caches[1])
         assert all_c(decoder)
-        ref = model(tokens[:, 6:], torch.arange(6, 6 + n), caches[0])[0]
+        ref = reference(tokens[:, 6:], torch.arange(6, 6 + n), caches[0])[0]
         got = decoder.forward(tokens[0, 6:].tolist(), 6).clone()
         assert_close(ref, got)
+        torch_path = model(tokens[:, 6:], torch.arange(6, 6 + n), make_prefilled(model, tokens))
+        assert (torch_path[0] - ref).abs().max() < 0.05 * ref.abs().max()  # bfloat16's kernel
         other = Decoder(exact, caches[2]).forward(tokens[0, 6:].tolist(), 6)
         assert (other - got).abs().max() > 1e-4  # the rounding is visible, not a no-op
     with pytest.raises(ValueError, match="no Int4Linear"):

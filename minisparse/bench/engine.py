@@ -55,6 +55,7 @@ CONFIGS: dict[str, EngineConfig] = {
     "cats": EngineConfig(sparsity="cats"),
     "int8": EngineConfig(weights="int8"),
     "int4": EngineConfig(weights="int4"),
+    "int4-a8": EngineConfig(weights="int4-a8"),  # int8-rounded activations: see its perplexity
     "lookup": EngineConfig(draft="prompt-lookup"),
     "int8+lookup": EngineConfig(weights="int8", draft="prompt-lookup"),
     "cats+lookup": EngineConfig(sparsity="cats", draft="prompt-lookup"),

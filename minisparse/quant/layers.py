@@ -199,7 +199,9 @@ class Int4Linear(PackedLinear):
 
     duplicate_buffers = ("blocks",)  # the packed weights again, in a second layout
     #: True: multiply with activations rounded to int8 per 32 inputs (``q8_activations``), as
-    #: the compiled step's integer dot products do (``int8_activations_``); False: float.
+    #: the compiled step's integer dot products do (``int8_activations_``); False: float. The
+    #: torch path then runs its usual product on the rounded activations (bfloat16 with the
+    #: CPU kernel, as for int4), the compiled step exact integer sums scaled in float32.
     act_int8 = False
 
     def __init__(self, qt: QuantizedTensor, bias: Tensor | None = None) -> None:
@@ -256,9 +258,9 @@ class Int4Linear(PackedLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.act_int8:  # the compiled step's math: dequantized weights, rounded inputs
-            y = F.linear(q8_activations(flat.float()), self.dequantized())
-        elif self.packed_for_cpu:
+        if self.act_int8:  # the rounding the compiled step's integer dot products apply
+            flat = q8_activations(flat).to(x.dtype)
+        if self.packed_for_cpu:
             y = self._kernel(flat)
         else:
             y = F.linear(flat, self.dequantized().to(x.dtype))
