@@ -26,6 +26,7 @@ there, chapter 04 a ReLU.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ from .layers import (
     causal_mask,
     make_cache,
 )
+from .memory import to_huge_pages_
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -77,6 +79,15 @@ class Transformer(nn.Module):
             persistent=False,
         )
         self.rope_scale = 1.0  # transformers' "attention_scaling" for scaled RoPE variants
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Transformer:
+        """``copy.deepcopy``, whose copy keeps its large CPU tensors in 2 MB pages, as ``load``
+        gives them (``core.memory``): the copies the course decodes (quantized, thresholded,
+        sparse) stream their weights as fast as the model they came from."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return to_huge_pages_(new)
 
     def _apply(self, fn, recurse=True):
         """Move/cast like any module, but keep the RoPE frequencies in float32.

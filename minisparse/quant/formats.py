@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.memory import to_huge_pages_
 from ..core.model import Transformer
 from ..core.registry import Registry
 from .apply import quantize_model
@@ -50,7 +51,9 @@ def low_bit(model: Transformer, weights: str) -> Transformer:
     quantized = quantize_model(
         model, bits=fmt.bits, group_size=fmt.group_size, packed=True, progress=False
     )
-    return int8_activations_(quantized) if fmt.act_int8 else quantized
+    if fmt.act_int8:
+        int8_activations_(quantized)
+    return to_huge_pages_(quantized)  # the packed weights in 2 MB pages, as load's
 
 
 register_format(WeightFormat("fp32", "float32 weights, 4 bytes each", None))

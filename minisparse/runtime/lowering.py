@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core.memory import empty_huge
 from ..core.model import MLP, Attention, Block, KVCache, Linear, RMSNorm, Transformer
 from ..kernels.abi import ACT_CODES, AttnLayer, Mat, MlpLayer, Slot
 
@@ -173,7 +174,9 @@ def mats(lins: Sequence[nn.Module], keep: list[Tensor], in_major: bool) -> list[
         return None
     if not in_major:
         return views  # type: ignore[return-value]
-    bundle = torch.cat([lin.weight.detach().t() for lin in lins], dim=1).contiguous()
+    parts = [lin.weight.detach().t() for lin in lins]
+    bundle = empty_huge((parts[0].shape[0], sum(t.shape[1] for t in parts)))  # 2 MB pages
+    torch.cat(parts, dim=1, out=bundle)
     keep.append(bundle)
     offsets = [0]
     for lin in lins[:-1]:
