@@ -242,14 +242,28 @@ def low_bit(model, weights):
     return model, reference
 
 
+# widths that are no multiple of 16, row counts that are no multiple of a register tile (4 or 2
+# rows, ``mdot_tile``) and an odd number of neurons (gate and up of two at once) take the tails
+ODD_SHAPE = {"dim": 40, "head_dim": 10, "ffn_dim": 37, "vocab_size": 61}
+
+
 @needs_compiler
-@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
-@pytest.mark.parametrize("n", [2, 5, 8])
-def test_several_tokens_in_one_call_equal_the_cached_forward(n, weights):
+@pytest.mark.parametrize(
+    ("weights", "shape"),
+    [
+        ("fp32", {}),
+        ("int8", INT4_SHAPE),
+        ("int4", INT4_SHAPE),
+        ("fp32", ODD_SHAPE),
+        ("int8", ODD_SHAPE),
+    ],
+)
+@pytest.mark.parametrize("n", [2, 5, 7, 8])
+def test_several_tokens_in_one_call_equal_the_cached_forward(n, weights, shape):
     """forward(tokens, pos) for n consecutive tokens (a verification pass) gives the logits of
     model(tokens, positions, cache), each token seeing the ones before it, and leaves the cache
-    as the model leaves it (the next single step agrees too); float32, int8 or int4 weights."""
-    shape = INT4_SHAPE if weights != "fp32" else {}
+    as the model leaves it (the next single step agrees too); float32, int8 or int4 weights,
+    on a shape that fills the register tiles and one that leaves partial ones."""
     model, reference = low_bit(tiny_model(seed=13, std=0.1, **shape), weights)
     gen = torch.Generator().manual_seed(14)
     tokens = torch.randint(0, model.config.vocab_size, (1, 6 + n + 1), generator=gen)
@@ -265,26 +279,6 @@ def test_several_tokens_in_one_call_equal_the_cached_forward(n, weights):
         last = 6 + n
         ref_next = reference(tokens[:, last : last + 1], torch.tensor([last]), ref_cache)[0, 0]
         assert_close(ref_next, decoder.step(int(tokens[0, last]), last))
-
-
-@needs_compiler
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
-@pytest.mark.parametrize("n", [3, 7])
-def test_several_tokens_on_shapes_that_leave_partial_tiles(n, weights):
-    """A pass over n tokens reads rows in register tiles of 4 or 2 (``mdot_tile``) and gate and
-    up of two neurons at once: widths that are no multiple of 16, row counts that are no
-    multiple of a tile and an odd number of neurons take the tails, and still equal the model."""
-    odd = {"dim": 40, "head_dim": 10, "ffn_dim": 37, "vocab_size": 61}
-    model, reference = low_bit(tiny_model(seed=15, std=0.1, **odd), weights)
-    tokens = torch.randint(0, 61, (1, 5 + n), generator=torch.Generator().manual_seed(16))
-    with torch.inference_mode():
-        ref_cache, dec_cache = make_cache(model.config, 1, 16), make_cache(model.config, 1, 16)
-        for cache in (ref_cache, dec_cache):
-            reference(tokens[:, :5], torch.arange(5), cache)
-        decoder = Decoder(model, dec_cache)
-        assert all_c(decoder)
-        ref = reference(tokens[:, 5:], torch.arange(5, 5 + n), ref_cache)[0]
-        assert_close(ref, decoder.forward(tokens[0, 5:].tolist(), 5))
 
 
 @needs_compiler
