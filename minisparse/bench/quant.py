@@ -43,7 +43,7 @@ from ..core.model import Transformer, check_count, use_output_major_weights
 from ..measure.machine import machine, machine_bandwidth
 from ..measure.timing import DECODE_PROMPT, interleaved_medians, paired_ratios, roofline_seconds
 from ..quant.apply import QuantSpec, quantize_model, streamed_bytes
-from ..quant.formats import WEIGHT_FORMATS
+from ..quant.formats import WEIGHT_FORMATS, low_bit
 from .decode import bench_decode_models
 
 __all__ = [
@@ -84,6 +84,8 @@ def make_variants(
             variants[name] = model
         elif name == "bf16":  # torch's bfloat16 GEMV reads output-major rows faster
             variants[name] = use_output_major_weights(copy.deepcopy(model)).to(torch.bfloat16)
+        elif WEIGHT_FORMATS[name].act_int8:  # its blocks of 32 are what its C kernel reads
+            variants[name] = low_bit(model, name)
         else:  # a weight format; ``group_size`` for those with groups (int4)
             fmt = WEIGHT_FORMATS[name]
             group = None if fmt.group_size is None else group_size

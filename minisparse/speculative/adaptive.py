@@ -13,7 +13,11 @@ cost c and verification cost v(γ); ``AdaptiveGamma`` applies it online:
 λ < 1 forgets old passes, so the estimate follows the text (a quoted block, then free prose);
 it looks back over about 1 / (1 − λ) judged drafts, and the prior's weight m must be small
 beside that, or a draft that is always wrong keeps α̂ ≥ α₀ m (1 − λ) / (1 + m (1 − λ)) and is
-never switched off (the defaults, λ = 0.95 and m = 1, give a floor of 0.024).
+never switched off (the defaults, α₀ = 0.8, λ = 0.95 and m = 1, give a floor of 0.038).
+The prior is optimistic on purpose: a draft that costs something (c > 0) is only judged when
+it drafts, so a prior under which no γ pays would never try it at all; with α₀ = 0.8 it drafts
+first, is switched off within a few passes when it is mostly wrong, and is tried again once its
+estimate has drifted back up.
 γ = 0 means plain decoding: then nothing is judged and the estimate relaxes towards the prior
 α₀ at the same rate, so a draft that was switched off is tried again after a while. A draft
 that costs nothing (prompt lookup, c = 0) is also judged on the plain steps: its would-be
@@ -60,7 +64,7 @@ class AdaptiveGamma:
     max_gamma: int = 7
     cost_ratio: float = 0.0
     verify_cost: Callable[[int], float] | Mapping[int, float] | None = None
-    prior_alpha: float = 0.5
+    prior_alpha: float = 0.8
     prior_weight: float = 1.0
     memory: float = 0.95
     accepted: float = field(default=0.0, init=False)
