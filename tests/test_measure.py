@@ -179,7 +179,7 @@ def test_rounds_are_added_until_the_median_is_narrow():
     ratios = rounds_until_narrow(noisy, first=5, most=41, width=0.1, step=4)
     assert calls[0] == 5 and all(c <= 4 for c in calls[1:]) and len(calls) > 1
     assert median_interval(ratios).half_width <= 0.1 or len(ratios) == 41
-    assert median_interval(ratios[:-calls[-1]]).half_width > 0.1  # it stopped at the first
+    assert median_interval(ratios[: -calls[-1]]).half_width > 0.1  # it stopped at the first
     assert rounds_until_narrow(lambda n: [1.0] * n, first=7) == [1.0] * 7
     wide = rounds_until_narrow(lambda n: [1.0, 5.0, 9.0][:n] * 1, first=3, most=9, step=3)
     assert len(wide) == 9  # never narrow: stops at the cap
