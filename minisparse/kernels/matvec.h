@@ -349,6 +349,19 @@ DOT_TOKENS2(dot_tokens2_i8, int8_t, vt_load_i8)
    (tile_rows below picks R for B), so the tile stays in registers: R B + R + 1 vectors, at
    most 29 of AVX-512's 32 and 15 of AVX2's 16. */
 #define PREFETCH_AHEAD 16384
+/* FN(rows, R, X, b, K, out) for the token count b = B, one compiled copy per b (R fixed). */
+#define TILE_BY_TOKENS(FN, R)                                                                  \
+    switch (B) {                                                                               \
+        case 1: FN(rows, R, X, 1, K, out); return;                                             \
+        case 2: FN(rows, R, X, 2, K, out); return;                                             \
+        case 3: FN(rows, R, X, 3, K, out); return;                                             \
+        case 4: FN(rows, R, X, 4, K, out); return;                                             \
+        case 5: FN(rows, R, X, 5, K, out); return;                                             \
+        case 6: FN(rows, R, X, 6, K, out); return;                                             \
+        case 7: FN(rows, R, X, 7, K, out); return;                                             \
+        default: FN(rows, R, X, MAX_TOKENS, K, out); return;                                   \
+    }
+
 #define DOT_TILE(NAME, T, LOADV)                                                               \
     static inline __attribute__((always_inline)) void NAME##_rb(                               \
         const T* const* rows, const int R, const float* X, const int64_t B, int64_t K,         \
@@ -377,40 +390,9 @@ DOT_TOKENS2(dot_tokens2_i8, int8_t, vt_load_i8)
     }                                                                                          \
     static inline void NAME(const T* const* rows, int R, const float* X, int64_t B, int64_t K, \
                             float* out) {                                                      \
-        if (R == 4) {                                                                          \
-            switch (B) {                                                                       \
-                case 1: NAME##_rb(rows, 4, X, 1, K, out); return;                       \
-                case 2: NAME##_rb(rows, 4, X, 2, K, out); return;                       \
-                case 3: NAME##_rb(rows, 4, X, 3, K, out); return;                       \
-                case 4: NAME##_rb(rows, 4, X, 4, K, out); return;                       \
-                case 5: NAME##_rb(rows, 4, X, 5, K, out); return;                       \
-                case 6: NAME##_rb(rows, 4, X, 6, K, out); return;                       \
-                case 7: NAME##_rb(rows, 4, X, 7, K, out); return;                       \
-                default: NAME##_rb(rows, 4, X, MAX_TOKENS, K, out); return;             \
-            }                                                                                  \
-        }                                                                                      \
-        if (R == 2) {                                                                          \
-            switch (B) {                                                                       \
-                case 1: NAME##_rb(rows, 2, X, 1, K, out); return;                       \
-                case 2: NAME##_rb(rows, 2, X, 2, K, out); return;                       \
-                case 3: NAME##_rb(rows, 2, X, 3, K, out); return;                       \
-                case 4: NAME##_rb(rows, 2, X, 4, K, out); return;                       \
-                case 5: NAME##_rb(rows, 2, X, 5, K, out); return;                       \
-                case 6: NAME##_rb(rows, 2, X, 6, K, out); return;                       \
-                case 7: NAME##_rb(rows, 2, X, 7, K, out); return;                       \
-                default: NAME##_rb(rows, 2, X, MAX_TOKENS, K, out); return;             \
-            }                                                                                  \
-        }                                                                                      \
-        switch (B) {                                                                           \
-            case 1: NAME##_rb(rows, 1, X, 1, K, out); return;                           \
-            case 2: NAME##_rb(rows, 1, X, 2, K, out); return;                           \
-            case 3: NAME##_rb(rows, 1, X, 3, K, out); return;                           \
-            case 4: NAME##_rb(rows, 1, X, 4, K, out); return;                           \
-            case 5: NAME##_rb(rows, 1, X, 5, K, out); return;                           \
-            case 6: NAME##_rb(rows, 1, X, 6, K, out); return;                           \
-            case 7: NAME##_rb(rows, 1, X, 7, K, out); return;                           \
-            default: NAME##_rb(rows, 1, X, MAX_TOKENS, K, out); return;                 \
-        }                                                                                      \
+        if (R == 4) TILE_BY_TOKENS(NAME##_rb, 4)                                               \
+        if (R == 2) TILE_BY_TOKENS(NAME##_rb, 2)                                               \
+        TILE_BY_TOKENS(NAME##_rb, 1)                                                           \
     }
 
 DOT_TILE(dot_tile_f32, float, vt_load)
