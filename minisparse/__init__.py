@@ -8,14 +8,14 @@ Start with::
     print(tokenizer.decode(ids))
 """
 
-from . import moved
-from .core.generate import generate
+from . import deprecated
 from .core.model import ModelConfig, Transformer
-from .io.cache import cache_dir
+from .files.cache import cache_dir
 from .io.loading import ModelLoadError, load
+from .runtime.generate import generate
 
-moved.install()  # the old flat module paths still import for one release, with a warning
+deprecated.install()  # old module paths still import for one release, with a warning
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["ModelConfig", "ModelLoadError", "Transformer", "cache_dir", "generate", "load"]

@@ -26,16 +26,14 @@ import importlib
 import sys
 from pathlib import Path
 
-import torch
-
+from .commands import export, predictors, relufy
+from .commands.common import add_model_arguments
 from .core.checks import check_output_path
-from .core.generate import check_messages, check_sampling, check_seed
 from .core.model import check_count
+from .core.sampling import check_messages, check_sampling, check_seed
 from .course import prepare
-from .io import export
 from .io.loading import ModelLoadError, resolve_device
 from .offload import report as offload_report
-from .sparsity import check_sparsity
 
 #: Errors that mean "the user asked for something that cannot work"; the message says the fix.
 USER_ERRORS = (
@@ -47,15 +45,6 @@ USER_ERRORS = (
     NotADirectoryError,
     PermissionError,
 )
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="short name, local directory, .gguf file or Hugging Face id",
-    )
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -85,8 +74,9 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .core.generate import check_length, check_prompt_ids, encode_prompt, generate
+    from .core.sampling import check_length, check_prompt_ids, encode_prompt
     from .io.loading import load
+    from .runtime.generate import generate
 
     check_generate_arguments(args)
     model, tokenizer = load(args.model, device=args.device)
@@ -117,117 +107,6 @@ def cmd_tour(args: argparse.Namespace) -> int:
     from .course.tour import figure_path, run_tour
 
     run_tour(out=check_output_path(figure_path(args.out), "--out"))
-    return 0
-
-
-def cmd_relufy(args: argparse.Namespace) -> int:
-    import json
-    import shlex
-
-    from .io.loading import load
-    from .relufy.finetune import FinetuneConfig
-    from .relufy.recipe import EVAL_WINDOW, check_relufy_arguments, relufy_and_finetune, result_dir
-
-    check_count(args.threads, "--threads", minimum=0, fix="0 keeps torch's default")
-    check_relufy_arguments(args.stage, args.seq_len, args.eval_tokens, EVAL_WINDOW)
-    if args.out:
-        check_output_path(args.out, "--out")
-    resolve_device(args.device)
-    config = FinetuneConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup=args.warmup,
-        trainable=args.trainable,
-        kd_weight=args.kd_weight,
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
-        bf16={"auto": None, "on": True, "off": False}[args.bf16],
-    )
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model, device=args.device)
-    _, report = relufy_and_finetune(
-        model,
-        tokenizer,
-        args.stage,
-        config,
-        seq_len=args.seq_len,
-        eval_tokens=args.eval_tokens,
-        root=Path(args.save_dir) if args.save_dir else None,
-        resume=not args.fresh,
-    )
-    report["command"] = "minisparse " + shlex.join(args.argv)
-    for name in ("dense", "swapped", "finetuned"):
-        r = report[name]
-        print(
-            f"{name:10s} perplexity {r['ppl']:9.2f} | zeros: MLP activation "
-            f"{r['zeros_mlp_act']:.1%}, down input {r['zeros_down_in']:.1%}, "
-            f"attention input {r['zeros_attn_in']:.1%}, MLP input {r['zeros_mlp_in']:.1%}"
-        )
-    saved = result_dir(args.stage, args.trainable, Path(args.save_dir) if args.save_dir else None)
-    print(f"saved in {saved}; {report['seconds']:.0f} s")
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"report: {out}")
-    return 0
-
-
-def cmd_predictors(args: argparse.Namespace) -> int:
-    import json
-
-    from .io.data import corpus, encode, token_batches
-    from .io.eval import windows
-    from .io.loading import cache_dir, load
-    from .predictors import PredictorConfig, prediction_target, train_predictors
-
-    check_count(args.threads, "--threads", minimum=0, fix="0 keeps torch's default")
-    check_count(args.windows, "--windows")
-    check_count(args.val_windows, "--val-windows")
-    check_count(args.seq_len, "--seq-len", minimum=2)
-    check_count(args.eval_tokens, "--eval-tokens", minimum=args.seq_len, fix="one --seq-len window")
-    check_sparsity(args.silu_sparsity)
-    config = PredictorConfig(
-        kind=args.kind,
-        target_recall=args.target_recall,
-        lookahead=args.lookahead,
-        head_sparsity=args.head_sparsity,
-    )
-    for option in (args.out, args.report):
-        if option:
-            check_output_path(option, "--out/--report")
-    resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    base, tokenizer = load(args.model, device=args.device)
-    calibration = token_batches(tokenizer, corpus(split="calib"), args.seq_len, args.val_windows)
-    target = prediction_target(base, calibration, sparsity=args.silu_sparsity)
-    print(f"model: {target.description}", flush=True)
-    train = token_batches(tokenizer, corpus(split="train"), args.seq_len, args.windows)
-    predictors = train_predictors(
-        target.model, train, thresholds=target.thresholds, validation=calibration, config=config
-    )
-    held_out = windows(encode(tokenizer, corpus(split="eval"))[: args.eval_tokens], args.seq_len)
-    scores = predictors.evaluate(target.model, held_out)
-    print(f"ranks per layer: {predictors.ranks}")
-    print(
-        f"held-out: recall {scores['mean_recall']:.1%}, precision {scores['mean_precision']:.1%}, "
-        f"neurons skipped {scores['mean_predicted_sparsity']:.1%} "
-        f"(true {scores['mean_true_sparsity']:.1%}); "
-        f"{predictors.parameter_share(target.model):.1%} of the MLP parameters"
-    )
-    made_for = "relu" if not any(target.thresholds) else "silu"
-    name = f"{Path(args.model).name}-{made_for}-{args.kind}.safetensors"
-    default = cache_dir() / "predictors" / name
-    out = Path(args.out) if args.out else default
-    predictors.save(out)
-    print(f"saved: {out}")
-    if args.report:
-        settings = {k: v for k, v in vars(config).items() if not callable(v)}  # not the loop
-        report = {"model": target.description, "config": settings, **scores}
-        Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
@@ -283,56 +162,14 @@ def build_parser(with_chapter_benchmarks: bool = True) -> argparse.ArgumentParse
     )
     p.set_defaults(func=cmd_tour)
 
-    p = sub.add_parser(
-        "relufy", help="ReLUfy the model and fine-tune it by distillation", parents=[common]
-    )
-    add_model_arguments(p)
-    p.add_argument("--stage", type=int, default=1, choices=(1, 2))
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--trainable", default="mlp", choices=("mlp", "all", "lora"))
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--kd-weight", type=float, default=0.9, help="weight of the KL term")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-tokens", type=int, default=8 * 256)
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
-    p.add_argument(
-        "--bf16",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="bf16 autocast (auto: where the hardware has bf16 instructions)",
-    )
-    p.add_argument("--fresh", action="store_true", help="ignore a checkpoint; start over")
-    p.add_argument("--save-dir", default=None, help="where results go (default: the cache)")
-    p.add_argument("--out", default=None, help="write the report as JSON here")
-    p.set_defaults(func=cmd_relufy)
+    for name, module, help_text in (
+        ("relufy", relufy, "ReLUfy the model and fine-tune it by distillation"),
+        ("predictors", predictors, "train per-layer sparsity predictors and save them"),
+    ):
+        p = sub.add_parser(name, help=help_text, parents=[common])
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     importlib.import_module("minisparse.peft.recover").add_command(sub, common)
-    p = sub.add_parser(
-        "predictors", help="train per-layer sparsity predictors and save them", parents=[common]
-    )
-    add_model_arguments(p)
-    p.add_argument("--kind", default="lowrank", choices=("lowrank", "mlp"))
-    p.add_argument("--target-recall", type=float, default=0.95)
-    p.add_argument("--windows", type=int, default=16, help="training windows of --seq-len tokens")
-    p.add_argument("--val-windows", type=int, default=4, help="validation windows (cutoffs, sizes)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--eval-tokens", type=int, default=4 * 256)
-    p.add_argument("--lookahead", action="store_true", help="predict from the previous layer")
-    p.add_argument("--head-sparsity", type=float, default=0.0, help="> 0: head predictors too")
-    p.add_argument(
-        "--silu-sparsity",
-        type=float,
-        default=0.5,
-        help="without a fine-tuned ReLU model: the SiLU model's threshold sparsity",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
-    p.add_argument("--out", default=None, help="safetensors file (default: in the cache)")
-    p.add_argument("--report", default=None, help="write the held-out scores as JSON here")
-    p.set_defaults(func=cmd_predictors)
-
     p = sub.add_parser(
         "prepare",
         help="make the long artifacts (ReLU model, predictors) the later chapters load",

@@ -233,6 +233,81 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles inside {PACKAGE}:\n{report}"
 
 
+#: The library's floors, from the ground up: a package imports only packages on lower floors
+#: (and its own modules). Packages on one floor are rooms that never import each other.
+FLOORS = (
+    ("files", "deprecated"),  # the cache folder and atomic writes; old names, by string
+    ("kernels",),  # the C fast path and the Triton kernels: tensors in, tensors out
+    ("measure",),  # timing, machine facts, intervals
+    ("core",),  # the Llama decoder itself (ch. 00-01)
+    ("io", "kvcache"),  # weights and text in and out; the KV caches (ch. 02)
+    ("runtime",),  # the compiled decode step, and generation on it
+    ("sparsity", "quant"),  # ch. 03 and 05; ch. 09
+    ("relufy", "sparse"),  # ch. 04; ch. 07
+    ("predictors", "pruning"),  # ch. 06; ch. 12
+    ("offload", "speculative", "moe", "peft"),  # ch. 08; ch. 10; ch. 12
+    ("engine",),  # ch. 11: everything composed
+    ("course",),  # the learner's builds, grading, the tour
+    ("commands",),  # the commands that stand on everything, and the options they share
+    ("bench",),  # the benchmarks (they take the commands' model options)
+    ("cli",),
+    ("__main__",),
+)
+
+
+def floor_of(module: str) -> int:
+    """The floor of ``minisparse.<package>...``."""
+    package = module.split(".")[1]
+    for level, rooms in enumerate(FLOORS):
+        if package in rooms:
+            return level
+    raise AssertionError(f"{module}: its package {package!r} is on no floor of FLOORS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that reach a package on the same floor or a higher one (the package itself
+    aside), each written ``importer -> imported``."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        if module == PACKAGE:  # the face: it runs before any of its modules
+            continue
+        for target in sorted(targets):
+            if target == PACKAGE or target.split(".")[1] == module.split(".")[1]:
+                continue
+            if floor_of(target) >= floor_of(module):
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_floor_check_sees_an_import_that_runs_up(tmp_path):
+    graph = {
+        "minisparse.core.model": {"minisparse.kernels.cpu", "minisparse.core.layers"},
+        "minisparse.core.layers": set(),
+        "minisparse.kernels.cpu": set(),
+    }
+    assert upward_imports(graph) == []
+    graph["minisparse.core.model"].add("minisparse.runtime.decoder")
+    graph["minisparse.io.eval"] = {"minisparse.kvcache.paged"}  # a room beside, same floor
+    assert upward_imports(graph) == [
+        "minisparse.core.model -> minisparse.runtime.decoder",
+        "minisparse.io.eval -> minisparse.kvcache.paged",
+    ]
+
+
+def test_every_package_is_on_a_floor():
+    on_floors = {room for rooms in FLOORS for room in rooms}
+    packages = {m.split(".")[1] for m in import_graph() if m != PACKAGE}
+    assert packages == on_floors, (
+        f"not on a floor: {sorted(packages - on_floors)}; gone: {sorted(on_floors - packages)}"
+    )
+
+
+def test_no_import_runs_up_a_floor():
+    up = upward_imports(import_graph())
+    report = "\n".join(up)
+    assert not up, f"imports that run up (see FLOORS):\n{report}"
+
+
 def test_every_module_declares_its_public_names():
     import importlib
 
@@ -264,14 +339,39 @@ def test_old_module_paths_import_the_new_modules_with_a_warning():
 
     import pytest
 
-    from minisparse.moved import MOVED
+    from minisparse.deprecated import RENAMED_MODULES
 
-    for old, new in MOVED.items():
+    for old, new in RENAMED_MODULES.items():
         sys.modules.pop(f"minisparse.{old}", None)
         with pytest.warns(DeprecationWarning, match=f"minisparse.{new}"):
             module = importlib.import_module(f"minisparse.{old}")
         assert module is importlib.import_module(f"minisparse.{new}")
-        assert not (ROOT / PACKAGE / f"{old}.py").exists()
+        assert not (ROOT / PACKAGE / f"{old.replace('.', '/')}.py").exists()
+
+
+def test_old_names_give_the_new_objects_with_a_warning():
+    """Every entry of the one list of old names: read from its old module it is the new object,
+    with a warning that names the new place; a name never defined stays an AttributeError."""
+    import importlib
+
+    import pytest
+
+    from minisparse.deprecated import RENAMED_NAMES
+
+    for old, new in RENAMED_NAMES.items():
+        old_module, _, old_attr = old.rpartition(".")
+        new_module, _, new_attr = new.rpartition(".")
+        host = importlib.import_module(f"minisparse.{old_module}")
+        assert old_attr not in vars(host), f"minisparse.{old} is still defined: drop its alias"
+        with pytest.warns(DeprecationWarning, match=f"minisparse.{new}"):
+            value = getattr(host, old_attr)
+        assert value is getattr(importlib.import_module(f"minisparse.{new_module}"), new_attr)
+        with pytest.raises(AttributeError, match="no_such_name"):
+            host.no_such_name  # noqa: B018
+    kernels = importlib.import_module("minisparse.kernels")
+    with pytest.warns(DeprecationWarning):
+        from minisparse.kernels import sparse_input_gemv  # the from-import form too
+    assert sparse_input_gemv is kernels.scatter_gemv
 
 
 def test_import_minisparse_loads_no_technique_chapter():
@@ -290,7 +390,7 @@ def test_import_minisparse_loads_no_technique_chapter():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     techniques = ("sparsity", "relufy", "predictors", "sparse", "offload", "quant", "speculative")
-    assert "minisparse.runtime.lowering" in loaded and "minisparse.core.generate" in loaded
+    assert "minisparse.runtime.lowering" in loaded and "minisparse.runtime.generate" in loaded
     early = [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in techniques]
     assert not early, f"import minisparse loads technique modules: {early}"
 
@@ -321,13 +421,16 @@ def test_each_technique_registers_its_lowering_by_exact_type():
 
 
 def test_no_module_is_longer_than_400_lines():
-    """One concept per module: a module past 400 lines is two ideas that want their own file."""
+    """One concept per module: a Python module, C file or header past 400 lines is two ideas
+    that want their own file."""
+    sources = sorted((ROOT / PACKAGE).rglob("*.py"))
+    sources += sorted((ROOT / PACKAGE).rglob("*.c")) + sorted((ROOT / PACKAGE).rglob("*.h"))
     long = {
-        name: n
-        for name, path in package_modules(ROOT, PACKAGE).items()
+        str(path.relative_to(ROOT)): n
+        for path in sources
         if (n := len(path.read_text().splitlines())) > 400
     }
-    assert not long, f"modules over 400 lines: {long}"
+    assert not long, f"files over 400 lines: {long}"
 
 
 def test_the_library_never_imports_the_benchmarks():

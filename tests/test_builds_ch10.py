@@ -10,11 +10,11 @@ import torch
 
 from conftest import tiny_model
 from minisparse import speculative as S
-from minisparse.core.generate import generate
 from minisparse.core.model import make_cache
 from minisparse.course import check
 from minisparse.course.builds.ch10 import passes_stats
 from minisparse.course.plug import solution
+from minisparse.runtime.generate import generate
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
 decode = solution("speculative_decode", SOLUTIONS)

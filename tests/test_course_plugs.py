@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from conftest import IdTokenizer, tiny_model
-from minisparse.core.generate import generate
 from minisparse.course.builds.ch00 import norms_with
 from minisparse.course.builds.ch01 import attention_with
 from minisparse.course.plug import solution
+from minisparse.runtime.generate import generate
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "notebooks" / "solutions"
 

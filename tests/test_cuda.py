@@ -175,7 +175,7 @@ def test_hot_cold_model_with_its_hot_part_on_the_gpu_matches_the_masked_model():
 
 @torch.inference_mode()
 def test_greedy_decoding_on_the_gpu_gives_the_cpu_tokens():
-    from minisparse.core.generate import generate
+    from minisparse.runtime.generate import generate
 
     model = tiny_model(seed=5, std=0.2)
     prompt = "5 17 3 88 41 2 60"

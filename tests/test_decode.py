@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_model
-from minisparse.core.generate import generate
 from minisparse.core.model import make_cache
 from minisparse.kernels.cpu import fast_path_available
 from minisparse.kvcache import make_kv_cache
 from minisparse.predictors import Predictor, Predictors, init_random
 from minisparse.runtime import decoder as decode
 from minisparse.runtime.decoder import Decoder
+from minisparse.runtime.generate import generate
 from minisparse.sparse import sparsify
 from minisparse.sparsity import MagnitudeThreshold
 

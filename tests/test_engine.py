@@ -7,12 +7,12 @@ import torch
 
 from conftest import IdTokenizer, tiny_model
 from minisparse import engine as E
-from minisparse.core.generate import generate
 from minisparse.kernels.cpu import fast_path_available
 from minisparse.kvcache import make_kv_cache
 from minisparse.offload.hybrid import HotColdMLP
 from minisparse.quant import Int8Linear, quantize_model
 from minisparse.runtime.decoder import Decoder
+from minisparse.runtime.generate import generate
 from minisparse.sparse import MaskedMLP, SparseMLP, using_mlps
 from minisparse.sparse.weights import dequantized_mlp
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -135,9 +136,57 @@ def test_a_wrong_answer_fails_with_a_hint(name, capsys):
     ids=lambda v: v if isinstance(v, str) else v.__name__,
 )
 def test_each_plausible_mistake_in_a_build_fails_with_a_hint(name, mistake, capsys):
+    """...and says where the answer differs: the place in the result (an index, a key, the step
+    of a script), not only the first values of both answers."""
     assert not check(name, mistake, seed=0)
     out = capsys.readouterr().out
     assert "mismatch" in out and "hint:" in out
+    if EXERCISES[name].accepts is None:  # one right answer: the place where it differs
+        assert re.search(r"result(\[[^\]]+\]|\.\w+)*:? |the result", out), out
+
+
+def test_a_missing_scale_is_found_where_it_differs(capsys):
+    """Attention without 1/sqrt(d): the first values of both answers can agree to four digits,
+    so the message names the first element that differs and the largest difference."""
+    from test_builds_ch02 import tiled
+
+    def unscaled(q, k, v, block):
+        return tiled(q * q.shape[-1] ** 0.5, k, v, block)
+
+    assert not check("tiled_attention", unscaled, seed=0)
+    out = capsys.readouterr().out
+    first = re.search(r"first difference at \[(\d+, ){3}\d+\]: expected (\S+), got (\S+);", out)
+    assert first and first.group(2) != first.group(3), out
+    assert "largest |difference|" in out and "values beyond 0.0001" in out
+
+
+def test_a_block_manager_without_copy_on_write_is_found_at_its_step(capsys):
+    """The paged cache's script: the message names the step where the traces part, its
+    operation (a write into a shared block) and the state both agreed on before it."""
+    from test_builds_ch02 import NoCopyOnWrite
+
+    assert not check("block_manager", NoCopyOnWrite, seed=0)
+    out = capsys.readouterr().out
+    step = re.search(r"the traces part at step (\d+) of \d+, the operation \('write', ", out)
+    assert step and int(step.group(1)) > 0, out
+    assert "both were (" in out and f"result[{step.group(1)}]" in out
+
+
+def test_difference_walks_into_containers_and_keeps_nan_and_inf():
+    from minisparse.course.feedback import difference, element_index
+
+    assert element_index(7, (2, 2, 3)) == [1, 0, 1]
+    e = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]])
+    assert difference(e.clone(), e, 1e-5) is None  # NaN matches NaN, inf the same inf
+    g = e.clone()
+    g[1, 1] = 2.5
+    assert difference(g, e, 1e-5).startswith("result: first difference at [1, 1]: expected 2")
+    assert difference({"a": [1, (2, g)]}, {"a": [1, (2, e)]}, 1e-5).startswith(
+        "result['a'][1][1]: first difference at [1, 1]"
+    )
+    assert difference([1, 2], [1, 2, 3]) == "result has 2 items, expected 3"
+    assert difference(torch.tensor([1, 2]), torch.tensor([1, 3]), 0.5) is not None  # ints: exact
+    assert difference(0.1 + 0.2, 0.3, 1e-9) is None and "difference +1" in difference(3, 2)
 
 
 def test_an_unknown_exercise_is_refused():

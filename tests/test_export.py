@@ -11,7 +11,7 @@ from conftest import tiny_model
 from minisparse import sparsity as S
 from minisparse.cli import main
 from minisparse.io import export as E
-from minisparse.offload import Placement
+from minisparse.offload import Placement, load_placement
 from minisparse.offload.hybrid import apply
 from minisparse.relufy import relufy
 from minisparse.sparse import sparsify_
@@ -141,8 +141,8 @@ def test_gguf_refuses_what_llama_cpp_cannot_run(tmp_path):
 def test_a_placement_round_trips_through_its_file(tmp_path):
     gen = torch.Generator().manual_seed(0)
     hot = [torch.rand(96, generator=gen) > 0.5 for _ in range(3)]
-    E.save_placement(Placement(hot, 10, 1.0, "ilp", 1234), tmp_path / "p.safetensors")
-    back = E.load_placement(tmp_path / "p.safetensors")
+    Placement(hot, 10, 1.0, "ilp", 1234).save(tmp_path / "p.safetensors")
+    back = load_placement(tmp_path / "p.safetensors")
     assert all(torch.equal(a, b) for a, b in zip(back.hot, hot, strict=True))
     assert back.policy == "ilp" and back.budget_bytes == 1234
 
@@ -230,7 +230,7 @@ def test_gguf_sidecars_are_named_after_their_file(tmp_path):
     hot = [torch.ones(96, dtype=torch.bool) for _ in range(3)]
     written = E.save_sidecars(tmp_path, placement=Placement(hot, 10, 1.0, "ilp", 1), prefix="m.")
     assert [p.name for p in written] == ["m.placement.safetensors"]
-    assert E.load_placement(written[0]).policy == "ilp"
+    assert load_placement(written[0]).policy == "ilp"
 
 
 def test_a_gguf_file_is_its_own_reference_for_the_benchmarks(monkeypatch):

@@ -10,13 +10,13 @@ import pytest
 import torch
 from faults import kill_when, run_with_disk_limit
 
-from minisparse.io.cache import save_tensors_atomic, sweep_temporaries, write_dir_atomic
+from minisparse.files.cache import save_tensors_atomic, sweep_temporaries, write_dir_atomic
 from minisparse.io.weight_cache import build_lock, write_or_warn
 
 BIG_WRITE = (
     "import torch, warnings\n"
     "from pathlib import Path\n"
-    "from minisparse.io.cache import save_tensors_atomic\n"
+    "from minisparse.files.cache import save_tensors_atomic\n"
     "from minisparse.io.weight_cache import write_or_warn\n"
     "out = Path({out!r})\n"
     "with warnings.catch_warnings(record=True) as caught:\n"
@@ -43,7 +43,7 @@ def test_a_killed_write_leaves_only_a_temporary_that_the_next_builder_sweeps(tmp
     code = (
         "import torch\n"
         "from pathlib import Path\n"
-        "import minisparse.io.cache as c\n"
+        "import minisparse.files.cache as c\n"
         "real = c.save_file\n"
         "def slow(tensors, tmp, metadata):\n"
         f"    Path({str(ready)!r}).touch()\n"
@@ -99,7 +99,7 @@ def test_a_failing_folder_write_keeps_the_old_folder(tmp_path):
 def test_safetensors_errors_become_os_errors(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
-    import minisparse.io.cache as C
+    import minisparse.files.cache as C
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: IoError(No space left on device)")
@@ -111,7 +111,7 @@ def test_safetensors_errors_become_os_errors(tmp_path, monkeypatch):
 
 
 def test_a_failed_final_rename_puts_the_old_folder_back(tmp_path, monkeypatch):
-    import minisparse.io.cache as C
+    import minisparse.files.cache as C
 
     target = tmp_path / "export"
     target.mkdir()

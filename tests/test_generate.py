@@ -7,8 +7,9 @@ import torch
 
 from conftest import IdTokenizer, tiny_model
 from minisparse.bench import hf_greedy
-from minisparse.core.generate import encode_prompt, generate, logits_to_probs, next_token
+from minisparse.core.sampling import encode_prompt, logits_to_probs, next_token
 from minisparse.io.hf import to_hf
+from minisparse.runtime.generate import generate
 
 
 def test_cache_equals_no_cache_on_embedded_model(embedded):
@@ -128,7 +129,7 @@ def test_bad_sampling_arguments():
 
 
 def test_streamer_flushes_held_back_text_at_the_end():
-    from minisparse.core.generate import TextStreamer
+    from minisparse.core.sampling import TextStreamer
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):

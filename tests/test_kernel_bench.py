@@ -111,7 +111,7 @@ def test_cli_runs_and_writes_json(tmp_path, capsys):
     assert "copy bandwidth" in text and "48x80" in text and "/ideal" in text
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 6 and data["copy_bandwidth_gbs"] > 0
-    assert data["working_set_mb"] == 0.1
+    assert data["settings"]["working_set_mb"] == 0.1 and data["command"].startswith("minisparse")
     assert data["machine"]["cores"] >= 1 and data["machine"]["read_gbs"] > 0
 
 
@@ -212,7 +212,7 @@ def test_sparse_decode_speed_keeps_the_rounds_of_both_runs(monkeypatch):
     from types import SimpleNamespace
 
     from minisparse.bench import decode
-    from minisparse.core import generate as gen_module
+    from minisparse.runtime import generate as gen_module
     from minisparse.sparse import swap
 
     monkeypatch.setattr(gen_module, "generate", lambda *a, **k: [1, 2])

@@ -10,7 +10,6 @@ import torch
 
 from conftest import tiny_model
 from minisparse.core.attention import attention
-from minisparse.core.generate import generate
 from minisparse.core.model import make_cache
 from minisparse.kvcache import (
     BlockManager,
@@ -25,6 +24,7 @@ from minisparse.kvcache import (
     simulate_waste,
     token_nll,
 )
+from minisparse.runtime.generate import generate
 
 
 class IdTokenizer:

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minisparse.core.generate import generate
 from minisparse.core.model import (
     KVCache,
     Linear,
@@ -22,6 +21,7 @@ from minisparse.core.model import (
 )
 from minisparse.io.hf import compare_logits, from_hf, to_hf
 from minisparse.kernels.cpu import fast_path_available
+from minisparse.runtime.generate import generate
 
 # (n_heads, n_kv_heads, head_dim, hidden, tied): MHA, GQA ratio 3, GQA ratio 4, MQA, odd head_dim
 HF_SHAPES = {

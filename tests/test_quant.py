@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from conftest import tiny_model
 from minisparse.bench.quant import VARIANTS, bench_quant
 from minisparse.cli import main
-from minisparse.core.generate import generate
 from minisparse.core.model import param_bytes
 from minisparse.quant import (
     ActQuantLinear,
@@ -34,6 +33,7 @@ from minisparse.quant.smoothing import (
     smoothquant_scales,
     to_prev_channels,
 )
+from minisparse.runtime.generate import generate
 
 BF16_EPS = 2.0**-8  # unit roundoff of bfloat16 (8 bits of mantissa)
 

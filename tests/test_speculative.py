@@ -14,8 +14,9 @@ import torch
 
 from conftest import tiny_model
 from minisparse import speculative as S
-from minisparse.core.generate import generate, logits_to_probs
 from minisparse.core.model import make_cache, rope_cos_sin
+from minisparse.core.sampling import logits_to_probs
+from minisparse.runtime.generate import generate
 from minisparse.speculative import loop as speculative_loop
 
 VOCAB = 97

@@ -27,11 +27,12 @@ from minisparse import sparsity as S
 from minisparse import speculative as SP
 from minisparse.bench import speculative as SB
 from minisparse.cli import main
-from minisparse.core.generate import encode_prompt, generate, next_token
 from minisparse.core.model import ModelConfig, make_cache
+from minisparse.core.sampling import encode_prompt, next_token
 from minisparse.course.tour import FIGURE_NAME, figure_path
 from minisparse.relufy import finetune as F
 from minisparse.relufy import relufy, relufy_and_finetune
+from minisparse.runtime.generate import generate
 
 MODEL = tiny_model(seed=3)  # vocab 97, 2 layers, context 96; no case changes it
 TOK = IdTokenizer()

@@ -22,7 +22,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,11 +29,13 @@ from typing import Any
 
 import torch
 
+from ..commands.common import add_model_arguments
 from ..core.model import check_count
 from ..measure.machine import machine
 from ..measure.timing import DECODE_PROMPT, ModelSpeed, interleaved_decode, paired_ratios
 from ..quant.formats import WEIGHT_FORMATS
 from .llama_compare import LlamaCppResult, llama_cpp_decode, print_llama_cpp_row
+from .results import result, write_result
 
 __all__ = [
     "PROMPT",
@@ -102,7 +103,8 @@ def bench_decode(
     The two loops alternate within each repeat so that machine noise hits both alike.
     ``compiled`` picks minisparse's decode steps (``generate(compiled=...)``).
     """
-    from ..core.generate import encode_prompt, generate, stop_ids
+    from ..core.sampling import encode_prompt, stop_ids
+    from ..runtime.generate import generate
 
     ids = encode_prompt(tokenizer, prompt)
     eos = sorted(stop_ids(model, tokenizer))
@@ -139,7 +141,8 @@ def bench_decode_models(
 ) -> dict[str, ModelSpeed]:
     """Greedy decode tokens/s of several minisparse models on one prompt, side by side
     (``compiled``: ``generate``'s decode steps)."""
-    from ..core.generate import encode_prompt, generate
+    from ..core.sampling import encode_prompt
+    from ..runtime.generate import generate
 
     ids = encode_prompt(tokenizer, prompt)
     runs = {
@@ -188,7 +191,7 @@ def bench_decode_sparse(
     sparse MLPs for the prompt too. ``mean_density`` is the fraction of neurons read at the last
     decode step of a run (mean over layers), averaged over the runs.
     """
-    from ..core.generate import generate
+    from ..runtime.generate import generate
     from ..sparse.swap import mean_density, swap_mlps
 
     dense = [layer.mlp for layer in model.layers]
@@ -223,12 +226,7 @@ def bench_decode_sparse(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``minisparse bench decode``."""
-    parser.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="short name, local directory, .gguf file or Hugging Face id",
-    )
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -284,28 +282,16 @@ def run(args: argparse.Namespace) -> int:
     )
     llama_cpp = print_llama_cpp_row(args, model, tokenizer)  # before the variants change model
     rows = {} if args.no_transformers else transformers_rows(args, model, tokenizer)
-    payload = {"machine": about.as_dict(), "settings": settings_of(args), "rows": rows}
-    payload["weights"] = args.weights
-    payload["llama_cpp"] = None
+    compared = None
     if llama_cpp is not None:
         extra = {"ratio": llama_cpp.ratio, "ratio_per_byte": llama_cpp.ratio_per_byte}
-        payload["llama_cpp"] = asdict(llama_cpp) | extra | {"same": llama_cpp.same_tokens}
-    payload["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    payload["command"] = "minisparse " + " ".join(getattr(args, "argv", []))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=1))
-        print(f"\nwrote {args.json}")
+        compared = asdict(llama_cpp) | extra | {"same": llama_cpp.same_tokens}
+    payload = result(args, about, rows=rows, weights=args.weights, llama_cpp=compared)
+    write_result(args, payload)
     if args.record is not None:
         record_run(args.record, payload)
         print(f"recorded the run in {args.record}")
     return 0 if all(r["same_tokens"] for r in rows.values()) else 1
-
-
-def settings_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The command's options as JSON values."""
-    skip = ("func", "json", "record")
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in skip}
 
 
 def cpu_kind(run: dict[str, Any]) -> tuple[str, str]:
@@ -316,7 +302,7 @@ def cpu_kind(run: dict[str, Any]) -> tuple[str, str]:
 def record_run(path: Path, payload: dict[str, Any]) -> None:
     """Add ``payload`` to the runs file at ``path`` (``{"about": ..., "runs": [...]}``) in place
     of a run on the same kind of CPU at the same weights; written atomically."""
-    from ..io.cache import atomic_write_text
+    from ..files.cache import atomic_write_text
 
     data = json.loads(path.read_text()) if path.exists() else {"about": "", "runs": []}
     key = (cpu_kind(payload), payload["weights"])

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +33,7 @@ from ..measure.compare import Interval
 from ..measure.machine import machine
 from ..measure.timing import interleaved_decode_steps
 from .prompts import PROMPTS
+from .results import result, write_result
 
 __all__ = [
     "CONFIGS",
@@ -247,16 +246,5 @@ def run(args: argparse.Namespace) -> int:
         base, tokenizer, chosen, prompt, calibration, eval_ids, args.max_new_tokens, args.repeats
     )
     print(format_rows(rows))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "machine": about.as_dict(),
-            "command": "minisparse " + " ".join(getattr(args, "argv", [])),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats,
-            "rows": [asdict(r) for r in rows],
-        }
-        args.json.write_text(json.dumps(payload, indent=1))
-        print(f"wrote {args.json}")
+    write_result(args, result(args, about, rows=[asdict(r) for r in rows]))
     return 0

@@ -12,9 +12,7 @@ automatic choice: on every CPU the chosen build should be the fastest row, withi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from ..measure.machine import machine
 from ..measure.timing import interleaved_decode
 from ..quant.formats import WEIGHT_FORMATS
 from .decode import PROMPT, check_decode_arguments
+from .results import result, write_result
 
 __all__ = ["IsaRow", "add_arguments", "bench_isa", "main", "run"]
 
@@ -59,11 +58,11 @@ def bench_isa(
     (the native build first in each format); ``variants`` (name -> model, e.g. chapter 12's
     2:4 models) replaces the weight formats when given."""
     weights = tuple(WEIGHT_FORMATS) if weights is None else weights
-    from ..engine.compose import step_bytes
     from ..kernels.cpu_build import build_choice, build_for, find_compiler, resolve_compiler
     from ..kernels.cpu_isa import available_targets
     from ..quant.formats import low_bit
     from ..runtime.step import SOURCE, declare_step_library
+    from ..sparse.traffic import step_bytes
     from .sparse_steps import greedy_steps
 
     compiler = resolve_compiler(find_compiler() or "")
@@ -108,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table; 1 when a build's tokens differ from the native build's."""
-    from ..core.generate import encode_prompt
+    from ..core.sampling import encode_prompt
     from ..io.loading import load
 
     check_decode_arguments(args)
@@ -130,16 +129,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r.mb_per_token:8.1f} {r.gb_s:6.1f}  {r.same_tokens_as_native}{mark}",
             flush=True,
         )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "machine": about.as_dict(),
-            "settings": {k: str(v) for k, v in vars(args).items() if k not in ("func", "json")},
-            "rows": [asdict(r) | {"gb_s": r.gb_s} for r in rows],
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        }
-        args.json.write_text(json.dumps(payload, indent=1))
-        print(f"\nwrote {args.json}")
+    write_result(args, result(args, about, rows=[asdict(r) | {"gb_s": r.gb_s} for r in rows]))
     return 0 if all(r.same_tokens_as_native for r in rows) else 1
 
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from ..kernels.workloads import FFNWeights, check_sparsity, random_active_sets, 
 from ..measure.machine import machine
 from ..measure.timing import copy_bandwidth, interleaved_medians
 from .kernel_studies import gather_progression, union_density, weight_copies
+from .results import result, write_result
 
 __all__ = [
     "KERNELS",
@@ -347,7 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"as decoding does (default {WORKING_SET_MB:.0f}; 0: one copy, cache-resident if small)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -378,13 +379,9 @@ def run(args: argparse.Namespace) -> int:
         f"weights rotated through {args.working_set_mb:.0f} MB"
     )
     print(format_table(rows, bandwidth))
-    if args.json:
-        payload = {"machine": about.as_dict(), "copy_bandwidth_gbs": bandwidth}
-        payload["dtype"], payload["timing"] = args.dtype, timing
-        payload["working_set_mb"] = args.working_set_mb
-        payload["rows"] = [asdict(r) for r in rows]
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+    rows_json = [asdict(r) for r in rows]
+    payload = result(args, about, copy_bandwidth_gbs=bandwidth, timing=timing, rows=rows_json)
+    write_result(args, payload)
     return 0
 
 

@@ -95,9 +95,9 @@ def print_llama_cpp_row(
     """llama.cpp on the model's GGUF file (``--gguf``, or the file ``--model`` names) beside
     our compiled decode of the same prompt at ``--weights``, alternating within each repeat,
     when llama-cpp-python is installed. A crash of llama.cpp prints why and returns None."""
-    from ..core.generate import generate
-    from ..engine.compose import step_bytes
     from ..io.loading import embedded_gguf_path
+    from ..runtime.generate import generate
+    from ..sparse.traffic import step_bytes
     from .llama_cpp import LlamaCppDied
 
     gguf = args.gguf or (Path(args.model) if args.model.endswith(".gguf") else None)

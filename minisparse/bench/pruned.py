@@ -105,7 +105,7 @@ def bench_nm_decode(
     progress: bool = False,
 ) -> list[NMDecodeRow]:
     """Decode tokens/s of each variant (``NM_VARIANTS``) against its byte ceiling, side by side."""
-    from ..core.generate import generate
+    from ..runtime.generate import generate
 
     check_count(tokens, "tokens", minimum=2, fix="one token is the prefill's; decode at least 2")
     check_count(repeats, "repeats", fix="the benchmark reports the median of the repeats")

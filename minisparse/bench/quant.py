@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ from ..measure.timing import DECODE_PROMPT, interleaved_medians, paired_ratios, 
 from ..quant.apply import QuantSpec, quantize_model, streamed_bytes
 from ..quant.formats import WEIGHT_FORMATS, low_bit
 from .decode import bench_decode_models
+from .results import result, write_result
 
 __all__ = [
     "PROMPT",
@@ -306,15 +306,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_rows(rows))
     print()
     print(format_linear(linear, model))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items() if k not in ("func", "json")}
-        payload = {"machine": about.as_dict(), "settings": settings}
-        payload["threads"] = torch.get_num_threads()
-        payload |= {"rows": [asdict(r) for r in rows]}
-        payload |= {"linear_seconds_per_call": {n: t.per_call for n, t in linear.items()}}
-        args.json.write_text(json.dumps(payload, indent=1))
-        print(f"\nwrote {args.json}")
+    per_call = {n: t.per_call for n, t in linear.items()}
+    payload = result(args, about, threads=torch.get_num_threads(), rows=[asdict(r) for r in rows])
+    write_result(args, payload | {"linear_seconds_per_call": per_call})
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import math
 import shlex
@@ -34,9 +33,9 @@ from torch import Tensor, nn
 
 from ..core.checks import check_count
 from ..core.config import ModelConfig
-from ..core.generate import encode_prompt
 from ..core.hooks import capture_inputs
 from ..core.model import Transformer, init_weights_
+from ..core.sampling import encode_prompt
 from ..course.prepare import _relu_predictors
 from ..engine.compose import load_selector, sparse_model
 from ..io.data import corpus, encode, token_batches
@@ -45,10 +44,10 @@ from ..measure.machine import machine
 from ..predictors import Predictors
 from ..predictors.lowrank import Predictor, init_random
 from ..relufy.recipe import load_relufied
-from ..sparsity import apply_thresholds_, calibrate_thresholds
+from ..sparsity import sparsity_method
 from .engine import relu_model_cached
 from .prompts import PROMPTS
-from .sparse_steps import SITE_PROJECTIONS, SparseDecodeResult, bench_sparse_decode
+from .sparse_steps import SparseDecodeResult, bench_sparse_decode
 
 __all__ = [
     "SHAPES",
@@ -203,9 +202,7 @@ def _make_models(method: str, base: Transformer, tokenizer: Any, calibration: Te
         relu = load_relufied(base, 1)[0]
         select = load_selector(relu, str(_relu_predictors()))
         return relu, sparse_model(relu, None, select, kernels=True)
-    sparse, sites = copy.deepcopy(base), tuple(SITE_PROJECTIONS)
-    limits = calibrate_thresholds(sparse, calibration, sparsity, sites=sites, progress=False)
-    return base, apply_thresholds_(sparse, limits)
+    return base, sparsity_method("teal").model(base, calibration, sparsity)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

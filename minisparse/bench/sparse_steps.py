@@ -30,10 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.generate import check_length
 from ..core.hooks import capture_outputs, zero_fraction
 from ..core.model import Transformer
-from ..engine.compose import step_bytes
+from ..core.sampling import check_length
 from ..io.eval import perplexity
 from ..kvcache.contiguous import make_kv_cache
 from ..measure.compare import Interval, median_interval
@@ -43,6 +42,7 @@ from ..predictors.pipeline import predicted_masks_applied
 from ..quant.apply import streamed_bytes
 from ..runtime.decoder import Decoder
 from ..sparse.mlp import SparseMLP
+from ..sparse.traffic import step_bytes
 from ..sparsity import SLOTS, MagnitudeThreshold
 
 __all__ = [

@@ -21,7 +21,6 @@ where prompt lookup shines; "open" ones ask for new text."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -29,12 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.generate import encode_prompt, generate
 from ..core.model import Transformer, check_count
+from ..core.sampling import encode_prompt
 from ..measure.compare import Interval, median_interval
 from ..measure.machine import machine
 from ..measure.timing import interleaved_decode_steps
 from ..runtime.decoder import MAX_TOKENS
+from ..runtime.generate import generate
 from ..sparsity import check_sparsity
 from ..speculative.loop import (
     AdaptiveGamma,
@@ -44,6 +44,7 @@ from ..speculative.loop import (
 )
 from ..speculative.registry import DRAFTS, make_draft
 from .prompts import PROMPTS, chat_prompts
+from .results import result, write_result
 from .speculative_costs import predicted_from_passes, step_costs, verify_cost
 
 AUTO = "auto"  # --gamma auto: AdaptiveGamma chooses the drafts of every pass
@@ -371,11 +372,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(format_rows(rows))
         results[kind] = [asdict(r) for r in rows]
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": about.as_dict(), "costs": costs, "rows": results}
-        args.json.write_text(json.dumps(payload, indent=1))
-        print(f"\nwrote {args.json}")
+    write_result(args, result(args, about, costs=costs, rows=results))
     return 0
 
 

@@ -6,7 +6,8 @@
 * ``attention``: attention three ways (the formula, shared key/value heads, tiles);
 * ``model``: ``Transformer`` and its contiguous KV cache;
 * ``hooks``: reading activations without changing the model;
-* ``generate``: decoding, greedy or sampled, on the compiled step where it can;
+* ``sampling``: prompts in, tokens out (greedy or sampled), with their checks (the generation
+  loop, which uses the compiled step, is ``minisparse.runtime.generate``);
 * ``checks``: the argument checks every module uses; ``registry``: the entries of one axis
   (sparsity methods, weight formats, quantization methods, drafts) by name.
 """

@@ -30,23 +30,26 @@ import torch
 from torch import Tensor
 
 from ..core.checks import check_count
+from .feedback import difference, kind_mismatch, script_step
 
 __all__ = [
     "EXERCISES",
     "GUARDED",
     "TIME_LIMIT",
+    "TOLERANCES",
     "Exercise",
     "check",
     "close",
     "describe",
+    "draw_int",
     "equal",
     "exact",
-    "kind_mismatch",
     "loose",
     "near",
     "register",
     "run_learner",
     "short",
+    "where_it_differs",
 ]
 
 TIME_LIMIT = 60.0  # seconds one call of the learner's function may take
@@ -68,6 +71,11 @@ class _Outcome:
     value: Any = None
     error: BaseException | None = None
     running: bool = False  # still running after the deadline and ``_stop``
+
+
+def draw_int(gen: torch.Generator, lo: int, hi: int) -> int:
+    """A whole number in [lo, hi) from ``gen``: the sizes of the random cases checks draw."""
+    return int(torch.randint(lo, hi, (1,), generator=gen))
 
 
 def _call_with_deadline(fn: Callable[[], Any], seconds: float) -> _Outcome:
@@ -192,36 +200,6 @@ def run_learner(name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tup
     return True, got
 
 
-def kind_mismatch(got: Any, expected: Any, where: str = "the result") -> str | None:
-    """What differs between the kinds of ``got`` and ``expected``: a tensor's type, dtype or
-    shape, a sequence's or a dict's type, recursively through items that both hold; None when
-    nothing does.
-
-    A right value of the wrong kind (a float64 or int mask, a list or numpy array for a
-    tensor) breaks the code the chapter runs it in, so it fails before values are compared.
-    Lengths and keys are values (the comparison judges them), and Python numbers match each
-    other (``exact`` and ``near`` judge ints and floats)."""
-    if isinstance(expected, Tensor):
-        if not isinstance(got, Tensor):
-            return f"{where} is a {type(got).__name__}, the reference's a torch.Tensor"
-        if got.dtype != expected.dtype:
-            return f"{where} has dtype {got.dtype}, the reference's {expected.dtype}"
-        if got.shape != expected.shape:
-            return f"{where} has shape {list(got.shape)}, the reference's {list(expected.shape)}"
-        return None
-    if isinstance(expected, (tuple, list, dict)) and type(got) is not type(expected):
-        return f"{where} is a {type(got).__name__}, the reference's a {type(expected).__name__}"
-    if isinstance(expected, dict):
-        pairs = [(f"{where}[{k!r}]", got[k], expected[k]) for k in expected if k in got]
-    elif isinstance(expected, (tuple, list)):
-        pairs = [
-            (f"{where}[{i}]", g, e) for i, (g, e) in enumerate(zip(got, expected, strict=False))
-        ]
-    else:
-        return None
-    return next((m for w, g, e in pairs if (m := kind_mismatch(g, e, w))), None)
-
-
 def describe(args: tuple[Any, ...]) -> str:
     parts = [f"tensor{tuple(a.shape)}" if isinstance(a, Tensor) else repr(a)[:40] for a in args]
     return "(" + ", ".join(parts) + ")"
@@ -327,6 +305,31 @@ def keeps_top(scores: Tensor, got: Any, k: int | Tensor) -> bool:
     return bool((kept >= dropped - slack).all())
 
 
+#: The tolerance of each comparison above, to say where an answer differs beyond it.
+TOLERANCES: dict[Callable[[Any, Any], bool], float] = {
+    close: 1e-5,
+    loose: 1e-4,
+    equal: 0.0,
+    exact: 0.0,
+    near: 1e-9,
+}
+
+
+def where_it_differs(ex: Exercise, args: tuple[Any, ...], got: Any, expected: Any) -> str:
+    """The lines a failed check prints about the answer: where it first differs from the
+    reference (``feedback.difference``; for a script, the step), else both answers' start.
+    Where several answers are right (``accepts``) only the reference's is one of them, so
+    both are shown as they are."""
+    if ex.accepts is None:  # a comparison of the build's own: beyond float noise, else any
+        tol = TOLERANCES.get(ex.same)
+        found = difference(got, expected, 1e-5 if tol is None else tol)
+        found = difference(got, expected) if found is None and tol is None else found
+        if found is not None:
+            step = script_step(found, args, expected)
+            return (f"  {step}\n" if step else "") + f"  {found}"
+    return f"  expected {short(expected)}\n  got      {short(got)}"
+
+
 def exercise(name: str) -> Exercise:
     """The registered exercise ``name``, or one error that lists them all (importing
     ``minisparse.course`` registers every chapter's exercises and builds)."""
@@ -362,7 +365,7 @@ def check(name: str, fn: Callable[..., Any], trials: int = 3, seed: int | None =
             ok = ex.accepts(args, got, expected) if ex.accepts else ex.same(got, expected)
             if not ok:
                 print(f"{name}: mismatch on inputs {describe(args)}")
-                print(f"  expected {short(expected)}\n  got      {short(got)}\n  hint: {ex.hint}")
+                print(f"{where_it_differs(ex, args, got, expected)}\n  hint: {ex.hint}")
                 return False
     print(f"{name}: correct on {trials} rounds of fresh random inputs (chapter {ex.chapter})")
     return True

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..io.cache import cache_dir
+from ..files.cache import cache_dir
 
 __all__ = ["ARTIFACTS", "Artifact", "add_arguments", "plan", "run"]
 

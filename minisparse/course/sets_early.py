@@ -15,14 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .grading import draw_int
+
 __all__ = ["CASES"]
 
 Cases = list[tuple[Any, ...]]
-
-
-def _draw(gen: torch.Generator, lo: int, hi: int) -> int:
-    """A whole number in [lo, hi) from ``gen``."""
-    return int(torch.randint(lo, hi, (1,), generator=gen))
 
 
 # --- 00 tour ----------------------------------------------------------------------------------
@@ -56,7 +53,7 @@ def _sampling_cases(gen: torch.Generator) -> Cases:
 
 
 def _sampling_probs(logits: Tensor, temperature: float, top_k: int | None) -> Tensor:
-    from ..core.generate import logits_to_probs
+    from ..core.sampling import logits_to_probs
 
     return logits_to_probs(logits, temperature, top_k)
 
@@ -109,7 +106,7 @@ def _gqa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def _kv_cases(gen: torch.Generator) -> Cases:
     highs = (81, 65, 257, 32769, 65)  # layers, kv_heads, head_dim, seq, batch
-    return [tuple(_draw(gen, 1, hi) for hi in highs) for _ in range(6)]
+    return [tuple(draw_int(gen, 1, hi) for hi in highs) for _ in range(6)]
 
 
 def _kv_bytes(layers: int, kv_heads: int, head_dim: int, seq: int, batch: int) -> int:
@@ -175,7 +172,7 @@ def _lr_cases(gen: torch.Generator) -> Cases:
     out: Cases = []
     settings = ((1e-4, 10, 100, 0.1), (3e-4, 0, 50, 0.0), (1.0, 5, 5, 0.5), (2e-5, 3, 20, 1.0))
     for lr, warmup, steps, floor in settings:  # warm-up 0, and warm-up as long as the run
-        for step in (0, warmup - 1, warmup, _draw(gen, 0, steps + 10), steps - 1, steps + 3):
+        for step in (0, warmup - 1, warmup, draw_int(gen, 0, steps + 10), steps - 1, steps + 3):
             if step >= 0:
                 out.append((step, lr, warmup, steps, floor))
     return out

@@ -16,13 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .grading import draw_int
+
 __all__ = ["CASES"]
 
 Cases = list[tuple[Any, ...]]
-
-
-def _draw(gen: torch.Generator, lo: int, hi: int) -> int:
-    return int(torch.randint(lo, hi, (1,), generator=gen))
 
 
 def _uniform(gen: torch.Generator, lo: float, hi: float) -> float:
@@ -204,7 +202,7 @@ def _verify_cases(gen: torch.Generator) -> Cases:
     for k, vocab in ((1, 7), (4, 11), (6, 50), (3, 5)):
         logits = torch.randn(k + 1, vocab, generator=gen)
         best = logits.argmax(-1).tolist()
-        agree = _draw(gen, 0, k + 1)  # drafts right up to here
+        agree = draw_int(gen, 0, k + 1)  # drafts right up to here
         drafts = [best[i] if i < agree else (best[i] + 1) % vocab for i in range(k)]
         out.append((logits, drafts))
     return out
@@ -223,7 +221,7 @@ def _residual_cases(gen: torch.Generator) -> Cases:
     out: Cases = [(dist(v), dist(v)) for v in (2, 5, 17, 50)]
     p = dist(9)
     out.append((p, p.clone()))  # the draft is the target: nothing is ever rejected
-    out.append((p, F.one_hot(torch.tensor(_draw(gen, 0, 9)), 9).float()))  # prompt lookup
+    out.append((p, F.one_hot(torch.tensor(draw_int(gen, 0, 9)), 9).float()))  # prompt lookup
     return out
 
 
@@ -235,7 +233,7 @@ def _residual(p: Tensor, q: Tensor) -> Tensor:
 
 def _speedup_cases(gen: torch.Generator) -> Cases:
     alphas = (0.0, 1.0, 0.5, 0.9, _uniform(gen, 0.0, 1.0))
-    return [(a, _draw(gen, 1, 9), _uniform(gen, 0, 0.5), _uniform(gen, 1, 3)) for a in alphas]
+    return [(a, draw_int(gen, 1, 9), _uniform(gen, 0, 0.5), _uniform(gen, 1, 3)) for a in alphas]
 
 
 def _speedup(alpha: float, gamma: int, cost_ratio: float, verify_cost: float) -> float:
@@ -266,7 +264,7 @@ def _pareto(points: list[tuple[float, float]]) -> list[bool]:
 
 
 def _toy_model(gen: torch.Generator, dtype: torch.dtype, tied: bool, int8: bool) -> nn.Module:
-    dim, vocab, layers = _draw(gen, 2, 33), _draw(gen, 5, 65), _draw(gen, 1, 4)
+    dim, vocab, layers = draw_int(gen, 2, 33), draw_int(gen, 5, 65), draw_int(gen, 1, 4)
     skip = nn.utils.skip_init  # shapes are all that matter: no random init
     model = nn.Module()
     model.embed = skip(nn.Embedding, vocab, dim)

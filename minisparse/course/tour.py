@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from ..core.generate import generate
 from ..core.hooks import mlp_activations, zero_fraction
 from ..core.model import Transformer, check_count, param_bytes
 from ..io.data import corpus, token_batches
 from ..io.hf import Parity, compare_logits
 from ..io.loading import cache_dir, load, load_hf_reference
 from ..measure.plots import activation_histogram
+from ..runtime.generate import generate
 
 __all__ = [
     "FIGURE_NAME",

@@ -41,11 +41,12 @@ from typing import Any
 from torch import Tensor
 
 from ..core.checks import check_count
-from ..core.generate import generate
 from ..core.model import Transformer
 from ..offload.placement import Placement
 from ..quant.formats import WEIGHT_FORMATS, low_bit
 from ..relufy import method as _relu_method  # noqa: F401  (registers the method relu)
+from ..runtime.generate import generate
+from ..sparse.traffic import step_bytes
 from ..sparsity.methods import SPARSITY_METHODS, SparsityMethod, sparsity_method
 from ..speculative.registry import DRAFTS, DraftKind, draft_kind, make_draft
 
@@ -197,39 +198,6 @@ class Engine:
         """Bytes of the model's parameters and buffers (what must sit in memory)."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
         return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
-
-
-def step_bytes(model: Transformer) -> float:
-    """Weight bytes one batch-1 decode step reads, sparse MLPs at their last density.
-
-    Every weight is read once (``quant.streamed_bytes``), except in a ``SparseMLP``: with a
-    threshold it reads its gate densely and the active share d of up and down,
-    (1 + 2 d) / 3 of its bytes; with a selector, d of all three. d is the mean share the
-    module read over its one-token calls so far (``step_density``: the decode steps it ran);
-    before any, the mean per-token share of its last call's mask (``last_keep``). A
-    verification pass over several tokens reads the union of their neurons, more than this.
-    Projections whose inputs pass a magnitude threshold (TEAL) are counted in full: the rows
-    they skip depend on each token's zeros, which the model does not record
-    (``minisparse bench sparse-decode`` measures them).
-    """
-    from ..quant.apply import streamed_bytes
-    from ..sparse.mlp import SparseMLP
-
-    total = float(streamed_bytes(model))
-    for m in model.modules():
-        if not isinstance(m, SparseMLP):
-            continue
-        counted = streamed_bytes(m)
-        own = sum(t.numel() * t.element_size() for t in m.buffers())
-        summed, steps = m.step_density
-        keep = m.last_keep
-        if steps:
-            d = summed / steps
-        else:
-            d = float(keep.float().mean()) if keep is not None else m.last_density
-        share = (1 + 2 * d) / 3 if m.threshold is not None else d
-        total += own * share - counted
-    return total
 
 
 def build(

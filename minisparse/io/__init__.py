@@ -5,8 +5,8 @@
 * ``hf``: to and from transformers' models, and the logits comparison against them;
 * ``export``: to a transformers folder or a GGUF file, atomically (``export_checks``: what it
   refuses before any work);
-* ``cache``: the cache folder and atomic writes; ``data``: the course's text; ``eval``:
-  perplexity.
+* ``data``: the course's text; ``eval``: perplexity. (The cache folder and its atomic writes
+  are the floor below: ``minisparse.files``.)
 """
 
 __all__: list[str] = []

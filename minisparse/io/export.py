@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from ..core.model import Transformer
+from ..deprecated import old_name
 from .export_checks import (
     EXPORT_MARK,
     check_export_folder,
@@ -47,18 +47,13 @@ __all__ = [
     "GGUF_DTYPES",
     "GGUF_LAYER_NAMES",
     "GGUF_TOP_NAMES",
-    "add_arguments",
     "add_tensor",
-    "check_arguments",
     "check_gguf_exportable",
     "copy_tokenizer",
     "export_gguf",
     "export_hf",
     "gguf_tensors",
-    "load_placement",
     "permute_for_gguf",
-    "run",
-    "save_placement",
     "save_sidecars",
 ]
 
@@ -96,7 +91,7 @@ def export_hf(
     a new one holds no stale file of an earlier export. A non-empty folder that is not an
     earlier export (no ``EXPORT_MARK`` file) is refused (``check_export_folder``).
     """
-    from .cache import write_dir_atomic
+    from ..files.cache import write_dir_atomic
 
     check_plain_mlps(model)
     check_exportable(model)
@@ -182,7 +177,7 @@ def export_gguf(
     under a temporary name and renamed at the end: an interrupted export leaves the file that
     was there.
     """
-    from .cache import write_file_atomic
+    from ..files.cache import write_file_atomic
 
     check_gguf_exportable(model, dtype)
     out = Path(path)
@@ -253,36 +248,15 @@ def copy_tokenizer(reader: Any, writer: Any) -> None:
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
 
 
-def save_placement(placement: Any, path: str | Path) -> Path:
-    """``placement.hot`` as ``hot.{l}`` uint8 tensors, with the policy and budget as metadata."""
-    from safetensors.torch import save_file
-
-    tensors = {f"hot.{i}": h.to(torch.uint8).contiguous() for i, h in enumerate(placement.hot)}
-    meta = {"policy": placement.policy, "budget_bytes": str(placement.budget_bytes)}
-    save_file(tensors, str(path), metadata=meta)
-    return Path(path)
-
-
-def load_placement(path: str | Path) -> Any:
-    """The placement ``save_placement`` wrote (objective and bytes left at 0: not stored)."""
-    from safetensors import safe_open
-
-    from ..offload.placement import Placement
-
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        hot = [f.get_tensor(f"hot.{i}").bool() for i in range(len(list(f.keys())))]
-    return Placement(hot, 0, 0.0, meta["policy"], int(meta["budget_bytes"]))
-
-
 def save_sidecars(
     directory: str | Path, predictors: Any = None, placement: Any = None, prefix: str = ""
 ) -> list[Path]:
     """Predictors and a placement beside an exported model (see the module docstring), as
     ``{prefix}predictors.safetensors`` and ``{prefix}placement.safetensors``, each written
-    atomically. Beside a GGUF file the prefix is the file's stem and a dot, so that two
-    exports in one folder keep their own."""
-    from .cache import write_file_atomic
+    atomically by the object's own ``save(path)`` (``Predictors.save``, ``Placement.save``).
+    Beside a GGUF file the prefix is the file's stem and a dot, so that two exports in one
+    folder keep their own."""
+    from ..files.cache import write_file_atomic
 
     out = Path(directory)
     written = []
@@ -292,78 +266,11 @@ def save_sidecars(
         written.append(path)
     if placement is not None:
         path = out / f"{prefix}placement.safetensors"
-        write_file_atomic(path, lambda tmp: save_placement(placement, tmp), shared=True)
+        write_file_atomic(path, placement.save, shared=True)
         written.append(path)
     return written
 
 
-# --- the command line: minisparse export ------------------------------------------------------
-
-
-def add_arguments(parser: Any) -> None:
-    parser.add_argument("out", help="a directory (--format hf) or a .gguf file (--format gguf)")
-    parser.add_argument("--format", default="hf", choices=("hf", "gguf"))
-    parser.add_argument("--dtype", default=None, help=f"GGUF only: {', '.join(GGUF_DTYPES)}")
-    parser.add_argument("--model", default="smollm2-135m", help="as for the other commands")
-    parser.add_argument(
-        "--relu", action="store_true", help="export chapter 04's fine-tuned ReLU model (stage 1)"
-    )
-    parser.add_argument("--predictors", default=None, help="a predictors file to ship beside")
-
-
-def check_arguments(args: Any) -> None:
-    if args.format == "hf" and args.dtype is not None:
-        raise ValueError("--dtype applies to --format gguf only (hf keeps the model's dtype).")
-    if args.format == "gguf":
-        args.dtype = "f32" if args.dtype is None else args.dtype
-        if args.dtype not in GGUF_DTYPES:
-            raise ValueError(
-                f"--dtype must be one of {', '.join(GGUF_DTYPES)}, got {args.dtype!r}."
-            )
-        if not args.out.endswith(".gguf"):
-            raise ValueError(
-                f"--format gguf writes one file: give a name ending in .gguf, not {args.out!r}."
-            )
-        if args.relu:
-            raise ValueError(
-                "llama.cpp's Llama graph has SiLU MLPs only: export --relu with --format hf."
-            )
-    from ..core.checks import check_output_path
-
-    out = Path(args.out).expanduser()
-    if args.format == "hf":  # written as a folder beside OUT, then renamed: OUT's parent counts
-        check_export_folder(out)
-        check_output_path(out.parent / f"{out.name}.tmp", "OUT")
-    else:
-        check_output_path(out, "OUT")
-    check_writable_folder(out)
-    if args.predictors is not None and not Path(args.predictors).is_file():
-        raise FileNotFoundError(
-            f"No predictors file at {args.predictors}; train them with `minisparse predictors`."
-        )
-
-
-def run(args: Any) -> int:
-    from .loading import embedded_gguf_path, load
-
-    check_arguments(args)
-    model, tokenizer = load(args.model, device="cpu")
-    if args.relu:
-        from ..relufy.recipe import load_relufied
-
-        model, _ = load_relufied(model, 1)
-    sidecars = {}
-    if args.predictors is not None:  # read (and checked against the model) before any write
-        from ..predictors import Predictors
-
-        sidecars["predictors"] = Predictors.load(args.predictors, model)
-    if args.format == "hf":
-        out = export_hf(model, args.out, tokenizer, sidecars)
-    else:
-        source = embedded_gguf_path() if args.model == "smollm2-135m" else None
-        source = Path(args.model) if args.model.endswith(".gguf") else source
-        out = export_gguf(model, args.out, args.dtype, tokenizer_gguf=source)
-        save_sidecars(out.parent, **sidecars, prefix=f"{out.stem}.")
-    size = sum(p.stat().st_size for p in ([out] if out.is_file() else out.iterdir()))
-    print(f"wrote {out} ({size / 1e6:.0f} MB)")
-    return 0
+def __getattr__(name: str) -> Any:
+    """Old names of this module, for one release (``minisparse.deprecated``)."""
+    return old_name(__name__, name)

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from ..core.model import MLP, Transformer
+from ..core.plain import BLOCK_PROJECTIONS, check_plain_linears
 
 __all__ = ["EXPORT_MARK", "check_export_folder", "check_plain_mlps", "check_writable_folder"]
 
@@ -14,8 +15,7 @@ __all__ = ["EXPORT_MARK", "check_export_folder", "check_plain_mlps", "check_writ
 def check_plain_mlps(model: Transformer) -> None:
     """Exports hold dense weights: sparse or split MLPs are an execution choice, not a format;
     every projection must be a float linear layer with finite weights (not N:M, NF4, LoRA or
-    packed: ``pruning.check_plain_linears`` names the first and the way back)."""
-    from ..pruning.prune import TARGETS, check_plain_linears
+    packed: ``core.plain.check_plain_linears`` names the first and the way back)."""
 
     for i, layer in enumerate(model.layers):
         if type(layer.mlp) is not MLP:
@@ -23,7 +23,7 @@ def check_plain_mlps(model: Transformer) -> None:
                 f"Layer {i}'s MLP is a {type(layer.mlp).__name__}; export the dense model (before "
                 "sparsify_ / apply) and ship the predictors or placement beside it."
             )
-    check_plain_linears(model, TARGETS["all"], "export")
+    check_plain_linears(model, BLOCK_PROJECTIONS, "export")
 
 
 def check_writable_folder(out: Path) -> None:

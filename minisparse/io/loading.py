@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 
 from ..core.memory import to_huge_pages_
 from ..core.model import ModelConfig, Transformer
-from .cache import cache_dir, save_tensors_atomic, write_dir_atomic
+from ..files.cache import cache_dir, save_tensors_atomic, write_dir_atomic
 from .hf import from_hf
 from .sources import (
     DEFAULT_MODEL,

@@ -2,7 +2,7 @@
 
 Dequantizing the embedded GGUF and copying it into a ``Transformer`` takes about 20 s on two
 cores; reading float32 safetensors takes a second or two. So ``minisparse.io.loading.load`` keeps
-what it built in the user cache directory (``minisparse.io.cache.cache_dir()``, overridable with
+what it built in the user cache directory (``minisparse.files.cache.cache_dir()``, overridable with
 ``MINISPARSE_CACHE``)::
 
     <cache>/<model-key>/model.safetensors   weights + the ModelConfig as JSON metadata
@@ -12,7 +12,7 @@ what it built in the user cache directory (``minisparse.io.cache.cache_dir()``, 
 Four rules keep the cache correct:
 
 * **Atomic writes.** Every file is written to a temporary name and renamed into place
-  (``save_atomic``, ``minisparse.io.cache``), so an interrupted write never leaves a half-written
+  (``save_atomic``, ``minisparse.files.cache``), so an interrupted write never leaves a half-written
   file that looks valid; a corrupt or stale file is detected (``load_cached``,
   ``cached_tokenizer``) and rebuilt.
 * **Keyed on content.** The weights record the source's ``fingerprint``, its size and a hash of
@@ -39,7 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_model
 
 from ..core.model import ModelConfig, Transformer
-from .cache import exclusive_lock, save_tensors_atomic, sweep_temporaries, write_dir_atomic
+from ..files.cache import exclusive_lock, save_tensors_atomic, sweep_temporaries, write_dir_atomic
 from .sources import TOKENIZER_ERRORS
 
 __all__ = [

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..deprecated import old_name
 from .interpreter import interpreting, triton_available
 from .reference import gather_gemv_ref, scatter_gemv_ref, sparse_ffn_ref
 
@@ -81,7 +82,7 @@ def __getattr__(name: str) -> Any:
         return triton_available()
     if name in TRITON_MODULES:
         return triton_module(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return old_name(__name__, name)  # an old name, for one release (minisparse.deprecated)
 
 
 __all__ = [

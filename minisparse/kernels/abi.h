@@ -22,22 +22,22 @@
 /* MLP activations. */
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2 };
 
-/* Mat.q4: 4-bit blocks times float32 activations, or times activations rounded to int8 per
-   block of 32 (matvec.h's dot_q4_q8). */
-enum { Q4_FLOAT_ACT = 1, Q4_INT8_ACT = 2 };
+/* Mat.format: how a weight matrix stores its rows, one code per format (matvec.h dispatches on
+   it): float32; int8 codes with a float32 scale per row; 4-bit blocks of 32 weights times
+   float32 activations, or times activations rounded to int8 per block of 32 (dot_q4_q8); 2:4
+   sparse rows of float32 values or of int8 codes with a scale per row. */
+enum { FMT_F32 = 0, FMT_I8 = 1, FMT_Q4 = 2, FMT_Q4_A8 = 3, FMT_NM_F32 = 4, FMT_NM_I8 = 5 };
 
-/* A weight matrix: float32 rows (scale NULL), int8 codes with float32 scales, or (q4 =
-   Q4_FLOAT_ACT or Q4_INT8_ACT) 4-bit blocks of 32 weights (matvec.h). in_stride > 0: a float32 transpose, one row per
-   input, rows in_stride floats apart, read only at non-zero inputs. nm_pos != NULL: a 2:4
-   sparse matrix (chapter 12's NMLinear): data holds the 2 kept values of every 4 inputs
-   [rows, cols / 2] (float32, or int8 codes when scale is set), nm_pos their positions 0..3
-   within their group, 2 bits each, 4 to a byte [rows, ceil(cols / 8)], the first value in
-   the lowest bits. */
+/* A weight matrix in the format ``format`` (scale: the int8 formats' row scales, else NULL).
+   in_stride > 0: a float32 transpose, one row per input, rows in_stride floats apart, read
+   only at non-zero inputs. The 2:4 formats: data holds the 2 kept values of every 4 inputs
+   [rows, cols / 2], nm_pos their positions 0..3 within their group, 2 bits each, 4 to a byte
+   [rows, ceil(cols / 8)], the first value in the lowest bits. */
 typedef struct {
     const void* data;
     const float* scale;
     int64_t in_stride;
-    int64_t q4;
+    int64_t format;
     const uint8_t* nm_pos;
 } Mat;
 
@@ -89,7 +89,7 @@ typedef struct {
 int64_t abi_layout(int64_t* out, int64_t n) {
     const int64_t v[] = {
         sizeof(Mat), offsetof(Mat, data), offsetof(Mat, scale), offsetof(Mat, in_stride),
-        offsetof(Mat, q4), offsetof(Mat, nm_pos),
+        offsetof(Mat, format), offsetof(Mat, nm_pos),
         sizeof(Slot), offsetof(Slot, relu), offsetof(Slot, threshold),
         sizeof(AttnLayer), offsetof(AttnLayer, dim), offsetof(AttnLayer, n_heads),
         offsetof(AttnLayer, n_kv_heads), offsetof(AttnLayer, head_dim),
@@ -114,7 +114,7 @@ int64_t abi_layout(int64_t* out, int64_t n) {
         offsetof(SparseMlpLayer, pv_bias), offsetof(SparseMlpLayer, predictor_relu),
         offsetof(SparseMlpLayer, cutoff),
         MAX_TOKENS, GROUP, OK, BAD_INDEX, NO_MEMORY, ACT_SILU, ACT_RELU, ACT_GELU,
-        Q4_FLOAT_ACT, Q4_INT8_ACT,
+        FMT_F32, FMT_I8, FMT_Q4, FMT_Q4_A8, FMT_NM_F32, FMT_NM_I8,
     };
     const int64_t count = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < count && i < n; i++) out[i] = v[i];

@@ -20,12 +20,11 @@ import ctypes
 __all__ = [
     "ACT_CODES",
     "BAD_INDEX",
+    "FORMAT_CODES",
     "GROUP",
     "MAX_TOKENS",
     "NO_MEMORY",
     "OK",
-    "Q4_FLOAT_ACT",
-    "Q4_INT8_ACT",
     "STRUCTS",
     "AttnLayer",
     "Mat",
@@ -40,18 +39,20 @@ MAX_TOKENS = 8  # the most tokens one decode call takes (a verification pass, ga
 GROUP = 8  # rows summed in registers before they are added to the output
 OK, BAD_INDEX, NO_MEMORY = 0, 1, 2  # return codes of the sparse loops
 ACT_CODES = {"silu": 0, "relu": 1, "gelu": 2}  # MLP activations
-# Mat.q4: 4-bit blocks times float32 activations, or times int8-rounded ones (blocks of 32)
-Q4_FLOAT_ACT, Q4_INT8_ACT = 1, 2
+#: Mat.format: one code per way a matrix stores its rows (abi.h's FMT_*, in that order): float32,
+#: int8 codes with row scales, 4-bit blocks times float32 activations ("q4") or times
+#: activations rounded to int8 per 32 ("q4_a8"), 2:4 sparse rows of float32 or int8 values.
+FORMAT_CODES = {"f32": 0, "i8": 1, "q4": 2, "q4_a8": 3, "nm_f32": 4, "nm_i8": 5}
 
 _i64, _i32, _flt, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 
 class Mat(ctypes.Structure):
-    """A weight matrix for C: float32 data (scale NULL), int8 codes and float32 scales, or
-    (``q4`` = ``Q4_FLOAT_ACT``, or ``Q4_INT8_ACT`` to round the activations to int8 per 32)
-    an ``Int4Linear``'s 4-bit blocks; ``in_stride`` > 0: a float32 transpose, one
-    row per input, rows ``in_stride`` floats apart (bundled with the other projections of the
-    same input), read only at non-zero inputs. ``nm_pos`` set: a 2:4 sparse matrix
+    """A weight matrix for C in the format ``format`` (``FORMAT_CODES``): float32 data (scale
+    NULL), int8 codes and float32 row scales, an ``Int4Linear``'s 4-bit blocks (``q4``, or
+    ``q4_a8`` to round the activations to int8 per 32); ``in_stride`` > 0: a float32
+    transpose, one row per input, rows ``in_stride`` floats apart (bundled with the other
+    projections of the same input), read only at non-zero inputs. The 2:4 formats
     (``NMLinear``): ``data`` the kept values [out, in / 2] (float32, or int8 codes with
     ``scale``), ``nm_pos`` their 2-bit positions, 4 to a byte [out, ceil(in / 8)]."""
 
@@ -59,7 +60,7 @@ class Mat(ctypes.Structure):
         ("data", _ptr),
         ("scale", _ptr),
         ("in_stride", _i64),
-        ("q4", _i64),
+        ("format", _i64),
         ("nm_pos", _ptr),
     ]
 
@@ -126,7 +127,7 @@ def layout() -> list[int]:
         numbers.append(ctypes.sizeof(struct))
         numbers += [getattr(struct, name).offset for name, _ in struct._fields_]
     numbers += [MAX_TOKENS, GROUP, OK, BAD_INDEX, NO_MEMORY, *ACT_CODES.values()]
-    numbers += [Q4_FLOAT_ACT, Q4_INT8_ACT]
+    numbers += list(FORMAT_CODES.values())
     return numbers
 
 

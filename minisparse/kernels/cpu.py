@@ -38,10 +38,12 @@ import ctypes
 import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..deprecated import old_name
 from .abi import BAD_INDEX, NO_MEMORY
 from .cpu_build import (
     BASE_FLAGS,
@@ -340,3 +342,8 @@ __all__ = [
     "scatter_rows_sum",
     "sparse_ffn",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Old names of this module, for one release (``minisparse.deprecated``)."""
+    return old_name(__name__, name)

@@ -97,7 +97,7 @@ class Compiler:
 
 def cache_dir() -> Path:
     """Where compiled kernels live: ``cpu_kernels`` in minisparse's cache directory."""
-    from ..io.cache import cache_dir as minisparse_cache_dir
+    from ..files.cache import cache_dir as minisparse_cache_dir
 
     return minisparse_cache_dir() / "cpu_kernels"
 
@@ -145,16 +145,22 @@ def resolve_compiler(spec: str) -> Compiler | None:
     return Compiler(command, path, (proc.stdout + proc.stderr).strip())
 
 
+#: Where the package's C files and their headers are: the kernels, and the decode step.
+C_FOLDERS = (Path(__file__).parent, Path(__file__).parents[1] / "runtime")
+
+
 def with_local_headers(source: str, folder: Path | None = None) -> str:
     """``source`` with each ``#include "NAME.h"`` replaced by that header of this package.
 
     The libraries are compiled from one text in a temporary folder (and cached under a hash
     of that text), so a shared header is pasted in rather than found on an include path; its
-    changes then change the cache key too. A header that includes another (``sparse_rows.h``
-    includes ``abi.h``) has it pasted in turn, once: the first paste of a header wins, a later
-    include of it is dropped (as an include guard would).
+    changes then change the cache key too. A header is looked for in ``folder`` (when given),
+    then in the package's C folders, ``kernels/`` and ``runtime/`` (``C_FOLDERS``). A header
+    that includes another (``sparse_rows.h`` includes ``abi.h``) has it pasted in turn, once:
+    the first paste of a header wins, a later include of it is dropped (as an include guard
+    would).
     """
-    folder = folder or Path(__file__).parent
+    folders = ([folder] if folder is not None else []) + list(C_FOLDERS)
     pasted: set[str] = set()
 
     def paste(match: re.Match[str]) -> str:
@@ -162,7 +168,10 @@ def with_local_headers(source: str, folder: Path | None = None) -> str:
         if name in pasted:
             return ""
         pasted.add(name)
-        return with_pasted((folder / name).read_text())
+        found = next((f / name for f in folders if (f / name).is_file()), None)
+        if found is None:
+            raise FileNotFoundError(f'#include "{name}": no such header in {folders}')
+        return with_pasted(found.read_text())
 
     def with_pasted(text: str) -> str:
         return re.sub(r'^#include "([\w.]+\.h)"$', paste, text, flags=re.MULTILINE)
@@ -234,7 +243,7 @@ def _compile(compiler: Compiler, out: Path, source: str, target: str) -> None:
     alone (0700), whatever the umask."""
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(out.parent, 0o700)  # the libraries' own folder: private even if made before
-    from ..io.cache import sweep_temporaries
+    from ..files.cache import sweep_temporaries
 
     sweep_temporaries(out.parent)  # what killed compiles left, once it is an hour old
     with tempfile.TemporaryDirectory(dir=out.parent, suffix=".tmp") as tmp:

@@ -37,6 +37,7 @@
 
 #include "abi.h"
 #include "simd.h"
+#include "activations.h"
 #include "sparse_rows.h"
 
 /* sum_k q[k] x[k] over int8 codes with eight independent vector accumulators, two cache lines
@@ -65,12 +66,6 @@ static float dot_i8(const int8_t* q, const float* x, int64_t K, const int8_t* ne
 
 AXPY_GROUP(axpy_group_i8, int8_t, load16_i8, 1)
 SCATTER_ROWS(scatter_rows_i8, int8_t, axpy_group_i8)
-
-static inline float activate(int act, float v) {
-    if (act == ACT_SILU) return v / (1.0f + expf(-v));
-    if (act == ACT_RELU) return v > 0.0f ? v : 0.0f;
-    return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-}
 
 /* Row-sparse GEMV over int8 rows: y[b, i] = scale[idx[i]] sum_k Q[idx[i], k] x[b, k]. */
 int gather_gemv_i8(const int8_t* Q, int64_t n_rows, int64_t ldq, const float* scale,

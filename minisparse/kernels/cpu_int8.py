@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..deprecated import old_name
 from .abi import ACT_CODES
 from .cpu import _raise_for, _threads
 from .cpu_build import load_source_library
@@ -336,3 +338,8 @@ def sparse_ffn_i8(
         )  # fmt: skip
         _raise_for(status, "the int8 sparse FFN", y.numel() * 4 * _threads())
     return _unbatch(y, x)
+
+
+def __getattr__(name: str) -> Any:
+    """Old names of this module, for one release (``minisparse.deprecated``)."""
+    return old_name(__name__, name)

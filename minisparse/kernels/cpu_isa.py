@@ -164,7 +164,7 @@ def _read(path: Path) -> Choice | None:
 
 def _write(path: Path, choice: Choice) -> None:
     """Save atomically; a failure (a read-only cache, a full disk) only costs a re-measure."""
-    from ..io.cache import atomic_write_text
+    from ..files.cache import atomic_write_text
 
     try:
         atomic_write_text(path, json.dumps(asdict(choice)))
@@ -197,7 +197,7 @@ def chosen_target(
         return Choice("native", "the only build for this CPU", {})
     if (choice := _read(saved)) is not None:
         return choice
-    from ..io.cache import exclusive_lock
+    from ..files.cache import exclusive_lock
 
     # one process measures (two at once would disturb each other); the others wait, then read
     with exclusive_lock(saved.with_suffix(".lock")):

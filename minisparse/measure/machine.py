@@ -79,7 +79,7 @@ class Machine:
 
 
 def _facts_path() -> Path:
-    from ..io.cache import cache_dir
+    from ..files.cache import cache_dir
     from ..kernels.cpu_build import cpu_identity
 
     key = "\0".join([cpu_identity(), str(torch.get_num_threads()), torch.__version__])
@@ -93,7 +93,7 @@ def machine_bandwidth(fresh: bool = False) -> float:
     missing or unreadable cache file is measured again; one that cannot be written leaves a
     warning and the figure.
     """
-    from ..io.cache import atomic_write_text
+    from ..files.cache import atomic_write_text
     from .timing import read_bandwidth
 
     path = _facts_path()

@@ -106,10 +106,10 @@ def check_cpu_model(
     """The dense and the sparse-MLP (``thresholds``) decode steps of ``model`` on this CPU,
     measured side by side in the compiled step without the prompt's prefill
     (``timing.interleaved_decode_steps``), each beside ``cpu``'s model of the bytes it reads."""
-    from ..core.generate import generate
-    from ..engine.compose import step_bytes
     from ..measure.timing import interleaved_decode_steps
+    from ..runtime.generate import generate
     from ..sparse.swap import sparse_mlps, using_mlps
+    from ..sparse.traffic import step_bytes
 
     mlps = {"dense": [layer.mlp for layer in model.layers]}
     mlps["sparse"] = list(sparse_mlps(model, thresholds))  # over the model's own weights

@@ -38,6 +38,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,10 +59,12 @@ __all__ = [
     "feasible",
     "greedy",
     "layerwise",
+    "load_placement",
     "neuron_bytes",
     "neuron_groups",
     "place",
     "profile",
+    "save_placement",
     "solve_ilp",
     "top_overlap",
 ]
@@ -90,6 +93,34 @@ class Placement:
     def load(self, frequencies: Sequence[Tensor]) -> float:
         """The fast device's share of activated-neuron work under ``frequencies``."""
         return fast_load(self, frequencies)
+
+    def save(self, path: str | Path) -> Path:
+        """This placement as a safetensors file (``save_placement``)."""
+        return save_placement(self, path)
+
+
+# --- the file beside an exported model -----------------------------------------------------
+
+
+def save_placement(placement: Placement, path: str | Path) -> Path:
+    """``placement.hot`` as ``hot.{l}`` tensors of uint8 0/1 (1 = on the fast device), with
+    the policy and budget as metadata: the file ``minisparse export`` ships beside a model."""
+    from safetensors.torch import save_file
+
+    tensors = {f"hot.{i}": h.to(torch.uint8).contiguous() for i, h in enumerate(placement.hot)}
+    meta = {"policy": placement.policy, "budget_bytes": str(placement.budget_bytes)}
+    save_file(tensors, str(path), metadata=meta)
+    return Path(path)
+
+
+def load_placement(path: str | Path) -> Placement:
+    """The placement ``save_placement`` wrote (objective and bytes left at 0: not stored)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        hot = [f.get_tensor(f"hot.{i}").bool() for i in range(len(list(f.keys())))]
+    return Placement(hot, 0, 0.0, meta["policy"], int(meta["budget_bytes"]))
 
 
 # --- checks ---------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.checks import check_count
-from ..core.generate import generate
 from ..core.model import Transformer
 from ..measure.compare import spread
 from ..measure.timing import interleaved_decode
+from ..runtime.generate import generate
 
 __all__ = ["HoulsbyAdapter", "adapter_decode_cost", "add_adapters_"]
 

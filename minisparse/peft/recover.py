@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..core.checks import check_count
 from ..core.model import Transformer
-from ..io.cache import atomic_write_text, cache_dir, save_tensors_atomic
+from ..files.cache import atomic_write_text, cache_dir, save_tensors_atomic
 from ..io.data import corpus, encode
 from ..io.eval import bootstrap_perplexity, window_nlls, windows
 from ..pruning.prune import prune

@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ..core.model import Transformer
-from ..io.cache import save_tensors_atomic
+from ..files.cache import save_tensors_atomic
 from ..sparsity.contextual import keep_count, top_k_mask
 from .lowrank import KINDS, Predictor, confusion, init_random, predict_heads, predict_neurons
 from .records import LayerRecord, record_layers

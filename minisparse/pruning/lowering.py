@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.abi import Mat
+from ..kernels.abi import FORMAT_CODES, Mat
 from ..runtime.lowering import lowers, plain_f32
 from .nm_linear import NMLinear
 
@@ -33,4 +33,5 @@ def nm_mat(lin: NMLinear, keep: list[Tensor]) -> Mat | None:
     if values.dtype != code or positions.dtype != torch.uint8:
         return None
     scale = None if lin.scale is None else lin.scale.data_ptr()
-    return Mat(values.data_ptr(), scale, 0, 0, positions.data_ptr())
+    fmt = FORMAT_CODES["nm_f32" if scale is None else "nm_i8"]
+    return Mat(values.data_ptr(), scale, 0, fmt, positions.data_ptr())

@@ -30,15 +30,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..core.model import Transformer, check_tokens
+from ..core.plain import BLOCK_PROJECTIONS, check_plain_linears
+from ..deprecated import old_name
 from ..quant.calibration import LinearGroup, sequential_layers
 from ..quant.gptq import hessian
 from ..quant.layers import set_weight
-from ..quant.tensor import check_finite
 from .masks import nm_mask, pattern_nm, row_mask
 from .scores import input_norms, magnitude_score, wanda_score
 from .sparsegpt import check_settings, check_target, sparsegpt_prune
@@ -46,11 +48,9 @@ from .sparsegpt import check_settings, check_target, sparsegpt_prune
 __all__ = [
     "PRUNE_METHODS",
     "TARGETS",
-    "UNPLAIN_FIX",
     "MaskFn",
     "ScoreFn",
     "SelectFn",
-    "check_plain_linears",
     "check_prune_arguments",
     "default_mask",
     "prune",
@@ -62,13 +62,7 @@ __all__ = [
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
 
 #: The projections of a block each ``targets`` value prunes.
-TARGETS = {
-    "all": (
-        "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-    ),
-    "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-}  # fmt: skip
+TARGETS = {"all": BLOCK_PROJECTIONS, "mlp": BLOCK_PROJECTIONS[4:]}
 
 #: (weight [out, in], input norms [in] or None) -> scores [out, in]; low scores are pruned.
 ScoreFn = Callable[[Tensor, Tensor | None], Tensor]
@@ -101,36 +95,6 @@ def target_names(targets: str) -> tuple[str, ...]:
             f"'mlp': gate, up, down); got {targets!r}."
         )
     return TARGETS[targets]
-
-
-#: How to get a float layer back from the layers ``check_plain_linears`` refuses, by type.
-UNPLAIN_FIX = {
-    "NMLinear": "a compact N:M layer (pruning.to_nm_); work on the model before to_nm_ (its "
-    "pruned weights are zeros already), or rebuild it with minisparse.load",
-    "NF4Linear": "an NF4 layer (peft.nf4_base_, qlora_); merge_qlora(model) gives float layers",
-    "LoRALinear": "a LoRA layer; merge_lora(model) folds the adapters into float layers",
-}
-
-
-def check_plain_linears(model: Transformer, names: Sequence[str], action: str) -> None:
-    """Refuse, naming the first, a block projection among ``names`` that is not a float
-    ``nn.Linear`` (an N:M, NF4, LoRA or packed layer) or whose weight holds NaN or inf:
-    ``action`` ("prune", "export") would read a weight it does not have, or NaN."""
-    for i, layer in enumerate(model.layers):
-        for name in names:
-            linear = layer.get_submodule(name)
-            kind = type(linear).__name__
-            if not isinstance(linear, nn.Linear):
-                fix = UNPLAIN_FIX.get(
-                    kind, f"a {kind}; {action} the float model before quantizing it"
-                )
-                raise ValueError(f"cannot {action} layers.{i}.{name}: it is {fix}.")
-            check_finite(
-                linear.weight.detach(),
-                f"layers.{i}.{name}.weight",
-                f"{action} would choose from NaN scores and give NaN logits. Reload the model, "
-                "or repair the weights first (torch.nan_to_num_).",
-            )
 
 
 def check_prune_arguments(
@@ -280,3 +244,8 @@ def weight_sparsity(model: Transformer) -> dict[str, float]:
     shares = {kind: zeros[kind] / sizes[kind] for kind in sizes}
     shares["total"] = sum(zeros.values()) / sum(sizes.values())
     return shares
+
+
+def __getattr__(name: str) -> Any:
+    """Old names of this module, for one release (``minisparse.deprecated``)."""
+    return old_name(__name__, name)

@@ -27,7 +27,6 @@ the whole grid (``sweep_grid``) and writes the JSON that ``minisparse prune --sw
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shlex
 from collections.abc import Sequence
@@ -41,11 +40,11 @@ from tqdm.auto import tqdm
 
 from ..core.checks import check_count, check_output_path
 from ..core.model import Transformer
-from ..io.cache import atomic_write_text
+from ..files.cache import atomic_write_text
 from ..io.data import corpus, encode, token_batches
 from ..io.eval import bootstrap_perplexity, window_nlls, windows
 from ..measure.machine import cpu_name
-from ..sparsity import SparsityStats, apply_thresholds_, record, thresholds_at
+from ..sparsity import SparsityStats, record, teal_model
 from .masks import PATTERNS, check_sparsity, pattern_nm
 from .prune import PRUNE_METHODS, prune
 from .sparsegpt import check_target
@@ -156,9 +155,7 @@ def config_model(
     if config.method == "dense":
         return model
     if config.method == "teal":
-        stats = teal_stats or record(model, calibration, TEAL_MLP_SITES, progress=False)
-        limits = thresholds_at(stats, config.sparsity, TEAL_MLP_SITES)
-        return apply_thresholds_(copy.deepcopy(model), limits)
+        return teal_model(model, calibration, config.sparsity, TEAL_MLP_SITES, teal_stats)
     return prune(model, config.method, config.sparsity, config.pattern, calibration)
 
 

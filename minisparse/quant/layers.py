@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.model import is_input_major
-from ..kernels.abi import Q4_FLOAT_ACT, Q4_INT8_ACT, Mat
+from ..kernels.abi import FORMAT_CODES, Mat
 from ..runtime.lowering import lowers, plain_f32
 from .tensor import (
     QuantizedTensor,
@@ -324,7 +324,7 @@ def int8_mat(lin: Int8Linear, keep: list[Tensor]) -> Mat | None:
         return None
     scale = lin.scale.float().contiguous()
     keep.append(scale)
-    return Mat(q.data_ptr(), scale.data_ptr(), 0)
+    return Mat(q.data_ptr(), scale.data_ptr(), 0, FORMAT_CODES["i8"])
 
 
 @lowers("linear", Int4Linear)
@@ -333,7 +333,7 @@ def int4_mat(lin: Int4Linear, keep: list[Tensor]) -> Mat | None:
     int8-rounded activations (``act_int8``)."""
     if not lin.packed_for_cpu or lin.blocks.device.type != "cpu" or not plain_f32(lin.bias):
         return None
-    return Mat(lin.blocks.data_ptr(), None, 0, Q4_INT8_ACT if lin.act_int8 else Q4_FLOAT_ACT)
+    return Mat(lin.blocks.data_ptr(), None, 0, FORMAT_CODES["q4_a8" if lin.act_int8 else "q4"])
 
 
 __all__ = [

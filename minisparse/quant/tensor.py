@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..core.plain import check_finite
+
 
 @dataclass(frozen=True)
 class QuantSpec:
@@ -220,23 +222,6 @@ def quantize_tensor(
     return QuantizedTensor(q=q, scale=scale, offset=offset, spec=spec)
 
 
-REPAIR_WEIGHTS = (
-    "one of them would make its whole row or group NaN after quantization. Repair the weights "
-    "first (reload the model, or torch.nan_to_num_ to zero them)."
-)
-
-
-def check_finite(x: Tensor, what: str, fix: str = REPAIR_WEIGHTS) -> None:
-    """Refuse NaN or inf values in ``x`` with one ValueError that says where they are and
-    ``fix``."""
-    bad = ~torch.isfinite(x)
-    if bool(bad.any()):
-        where = bad.nonzero()[0].tolist()
-        raise ValueError(
-            f"{what} holds {int(bad.sum())} NaN or inf value(s) (the first at index {where}); {fix}"
-        )
-
-
 def fake_quantize_groups(groups: Tensor, spec: QuantSpec, clip: Tensor | float = 1.0) -> Tensor:
     """Round trip of grouped values [rows, groups, g] through the grid, kept grouped."""
     scale, offset = quant_params(groups, spec, clip)
@@ -259,7 +244,6 @@ __all__ = [
     "QuantSpec",
     "QuantizedTensor",
     "check_bits",
-    "check_finite",
     "code_dtype",
     "dequantize_tensor",
     "fake_quantize",

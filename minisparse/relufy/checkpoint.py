@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from ..io.cache import save_tensors_atomic
+from ..files.cache import save_tensors_atomic
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 

@@ -34,5 +34,6 @@ RELU = register_sparsity(
         calibrated=False,
         model=_relu,
         thresholds=_zeros,
+        sites=("mlp_act",),
     )
 )

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ..core.model import Transformer, check_count
-from ..io.cache import cache_dir, save_tensors_atomic
+from ..files.cache import cache_dir, save_tensors_atomic
 from ..io.data import corpus, encode
 from ..io.eval import windows
 from ..sparsity import measure

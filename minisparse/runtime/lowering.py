@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..core.memory import empty_huge
 from ..core.model import MLP, Attention, Block, KVCache, Linear, RMSNorm, Transformer
-from ..kernels.abi import ACT_CODES, AttnLayer, Mat, MlpLayer, Slot
+from ..kernels.abi import ACT_CODES, FORMAT_CODES, AttnLayer, Mat, MlpLayer, Slot
 
 __all__ = [
     "ROLES",
@@ -151,7 +151,9 @@ def _gelu(module: nn.GELU) -> tuple[int, float] | None:
 
 
 def _float32_linear(lin: nn.Linear, keep: list[Tensor]) -> Mat | None:
-    return Mat(lin.weight.data_ptr(), None, 0) if plain_f32(lin.weight, lin.bias) else None
+    if not plain_f32(lin.weight, lin.bias):
+        return None
+    return Mat(lin.weight.data_ptr(), None, 0, FORMAT_CODES["f32"])
 
 
 lowers("linear", Linear)(_float32_linear)
@@ -182,7 +184,8 @@ def mats(lins: Sequence[nn.Module], keep: list[Tensor], in_major: bool) -> list[
     for lin in lins[:-1]:
         offsets.append(offsets[-1] + lin.weight.shape[0])
     step = bundle.element_size()
-    return [Mat(bundle.data_ptr() + step * o, None, bundle.shape[1]) for o in offsets]
+    f32 = FORMAT_CODES["f32"]
+    return [Mat(bundle.data_ptr() + step * o, None, bundle.shape[1], f32) for o in offsets]
 
 
 def attn_layer(

@@ -15,7 +15,8 @@
    time). The sparse step reads the down projection transposed, W_down_t [ffn, dim], so that an
    active neuron's down weights are one contiguous row too. Scratch memory is given by the
    caller and made once per decoder: nothing is allocated per token. The dot products, one per
-   way a weight row is stored (float32, int8, 4-bit blocks), are in matvec.h. */
+   way a weight row is stored (float32, int8, 4-bit blocks, 2:4), are in matvec.h; the loops
+   that split a matrix between threads in step_rows.h; the sparse MLP step in step_sparse.h. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,6 +33,7 @@
 
 #include "abi.h"
 #include "simd.h"
+#include "activations.h"
 #include "matvec.h"
 
 
@@ -44,148 +46,8 @@ static inline float slot(Slot s, float v) {
     return v;
 }
 
-static inline float activate(int act, float v) {
-    if (act == ACT_SILU) return v / (1.0f + expf(-v));
-    if (act == ACT_RELU) return v > 0.0f ? v : 0.0f;
-    return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-}
 
-
-/* The most inputs (times tokens) whose int8 rounding a thread keeps on its stack (16 KB);
-   a wider 4-bit matrix with int8 activations falls back to float activations. */
-#define Q8_MAX_INPUTS 16384
-
-/* y = W x (+ b) over rows [0, N), split between the team's threads (called inside a parallel
-   region by every thread; no barrier at the end). One row at a time: each thread reads its
-   rows as one sequential stream. (Four rows at once, four interleaved streams per thread, was
-   measured 2x slower on a 2-core AMD EPYC for the 576-wide rows of attention and the LM head:
-   the hardware prefetcher follows one stream per thread far better than four.) */
-static void gemv_rows(Mat W, const float* b, const float* x, float* y, int64_t N, int64_t K) {
-    if (W.q4 == Q4_INT8_ACT && K <= Q8_MAX_INPUTS) {  /* each thread rounds x once, then rows */
-        int8_t q[Q8_MAX_INPUTS];
-        float d[Q8_MAX_INPUTS / 32], c[Q8_MAX_INPUTS / 32];
-        quantize_q8(x, K, q, d, c);
-        const Q8Act a = {K / 32, q, d, c};
-        #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < N; i++) y[i] = dot_q4_q8(q4_row(W, i, K), a);
-    } else {
-        #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < N; i++) y[i] = mdot(W, i, x, K);
-    }
-    if (b) {
-        #pragma omp barrier
-        #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < N; i++) y[i] += b[i];
-    }
-}
-
-/* Up to three projections that share their input, from one bundled input-major matrix Wt
-   [K, S] (projection p: columns off_p .. off_p + N[p], off_p = N[0] + .. + N[p - 1]):
-   Y_p[b] = W_p X[b] (+ bias_p) for B tokens. Only the rows of inputs that are non-zero for
-   some token are read, so a share s of zero inputs skips a share s of the bytes (TEAL's column
-   sparsity). The threads split the inputs: each reads whole rows (one long burst per input,
-   which the memory system streams far better than pieces of rows) and sums them, GROUP at a
-   time in registers, into its own partial [B, sum N] in ``parts``; then the partials are
-   added. Every thread finds its own non-zero inputs: no index list is shared. Ends with a
-   barrier (the partials are reused by the next call). */
-static void scatter_gemm(const float* Wt, int64_t S, int n_proj, const int64_t* N, float* const* Y,
-                      const float* const* bias, const float* X, int64_t B, int64_t K,
-                      float* parts) {
-    int64_t total = 0;
-    for (int p = 0; p < n_proj; p++) total += N[p];
-    const int64_t nt = THREADS(), t = THREAD_ID(), k1 = K * (t + 1) / nt;
-    float* part = parts + t * B * total;
-    for (int64_t i = 0; i < B * total; i++) part[i] = 0.0f;
-    int64_t rows[GROUP], g = 0;
-    for (int64_t k = K * t / nt; k <= k1; k++) {
-        if (k < k1) {
-            int any = 0;
-            for (int64_t b = 0; b < B; b++) any |= X[b * K + k] != 0.0f;
-            if (any) rows[g++] = k;
-            if (g < GROUP) continue;
-        }
-        for (int64_t b = 0; b < B; b++) {
-            float h[GROUP];
-            for (int64_t r = 0; r < g; r++) h[r] = X[b * K + rows[r]];
-            float* y = part + b * total;
-            int64_t c = 0;
-            for (; c + 16 <= total; c += 16) {
-                v16 acc = load16(y + c);
-                for (int64_t r = 0; r < g; r++) acc = smadd16(h[r], load16(Wt + rows[r] * S + c), acc);
-                store16(y + c, acc);
-            }
-            for (; c < total; c++)
-                for (int64_t r = 0; r < g; r++) y[c] += h[r] * Wt[rows[r] * S + c];
-        }
-        g = 0;
-    }
-    #pragma omp barrier
-    #pragma omp for schedule(static)
-    for (int64_t i = 0; i < B * total; i++) {
-        int64_t b = i / total, c = i % total, p = 0;
-        while (c >= N[p]) c -= N[p++];
-        float sum = bias[p] ? bias[p][c] : 0.0f;
-        for (int64_t q = 0; q < nt; q++) sum += parts[q * B * total + i];
-        Y[p][b * N[p] + c] = sum;
-    }
-}
-
-/* Y[b] = W X[b] (+ bias) for B tokens (X [B, K], Y [B, N]): each weight is read once for all B,
-   so a few tokens cost about what one costs while the weights, not the arithmetic, are the
-   limit (speculative decoding's verification pass). No barrier at the end. An input-major
-   matrix goes to scatter_gemm (its partial sums in ``parts``; it ends with a barrier). */
-static void gemm_rows(Mat W, const float* bias, const float* X, float* Y, int64_t B, int64_t N,
-                      int64_t K, float* parts) {
-    if (W.in_stride) {
-        scatter_gemm((const float*)W.data, W.in_stride, 1, &N, &Y, &bias, X, B, K, parts);
-        return;
-    }
-    if (B == 1) {
-        gemv_rows(W, bias, X, Y, N, K);
-        return;
-    }
-    if (W.q4 == Q4_INT8_ACT && B * K <= Q8_MAX_INPUTS) {  /* as gemv_rows, B tokens a row */
-        int8_t q[Q8_MAX_INPUTS];
-        float d[Q8_MAX_INPUTS / 32], c[Q8_MAX_INPUTS / 32];
-        Q8Act a[MAX_TOKENS];
-        for (int64_t b = 0; b < B; b++) {
-            quantize_q8(X + b * K, K, q + b * K, d + b * (K / 32), c + b * (K / 32));
-            a[b] = (Q8Act){K / 32, q + b * K, d + b * (K / 32), c + b * (K / 32)};
-        }
-        #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < N; i++)
-            for (int64_t b = 0; b < B; b++)
-                Y[b * N + i] = dot_q4_q8(q4_row(W, i, K), a[b]) + (bias ? bias[i] : 0.0f);
-        return;
-    }
-    if (W.q4 || W.nm_pos) {
-        #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < N; i++) {
-            float out[MAX_TOKENS];
-            mdot_tokens(W, i, X, B, K, out);
-            for (int64_t b = 0; b < B; b++) Y[b * N + i] = out[b] + (bias ? bias[i] : 0.0f);
-        }
-        return;
-    }
-    /* float32 or int8 rows: tiles of R consecutive rows (matvec.h's mdot_tile), each thread a
-       contiguous run of tiles, the next tile prefetched while one is summed; the rows past
-       the last whole tile one at a time */
-    const int R = tile_rows(B);
-    const int64_t tiles = N / R;
-    #pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t <= tiles; t++) {
-        const int64_t i0 = t * R, m = t < tiles ? R : N - i0;
-        if (m == 0) continue;
-        float out[4 * MAX_TOKENS];
-        for (int64_t q0 = 0; q0 < m; q0 += m == R ? R : 1) {  /* a whole tile, or row by row */
-            const int64_t idx[4] = {i0 + q0, i0 + q0 + 1, i0 + q0 + 2, i0 + q0 + 3};
-            mdot_tile(W, idx, m == R ? R : 1, X, B, K, out + q0 * B);
-        }
-        for (int q = 0; q < m; q++)
-            for (int64_t b = 0; b < B; b++)
-                Y[b * N + i0 + q] = out[q * B + b] + (bias ? bias[i0 + q] : 0.0f);
-    }
-}
+#include "step_rows.h"
 
 static void rmsnorm(const float* x, const float* w, float eps, int64_t n, float* out) {
     double ss = 0.0;  /* float64 sum of squares: as accurate as torch's float32 tree sum */
@@ -321,7 +183,7 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
             rmsnorm(x + b * D, L->norm, L->eps, D, n + b * D);
             for (int64_t i = 0; i < D; i++) n[b * D + i] = slot(L->in, n[b * D + i]);
         }
-        const int q8 = L->wg.q4 == Q4_INT8_ACT && L->wu.q4 == Q4_INT8_ACT;
+        const int q8 = L->wg.format == FMT_Q4_A8 && L->wu.format == FMT_Q4_A8;
         if (L->wg.in_stride || q8) {  /* gate and up into gu first, then the values */
             if (L->wg.in_stride) {  /* TEAL: gate and up from one bundled row per non-zero input */
                 const int64_t N[2] = {F, F};
@@ -370,170 +232,7 @@ int mlp_step(const MlpLayer* L, float* x, int64_t B, float* scratch, int num_thr
     return 0;
 }
 
-/* part += sum_r h[r] W[rows[r]] over g <= GROUP rows of W [*, D] (float32 or int8 codes, one
-   function each), summed in registers: GROUP row streams in flight. (Prefetching the next
-   group's rows in one burst before the sums, as an earlier version did, ran the down rows of
-   SmolLM2 at ~18 GB/s on a 2-core AMD EPYC instead of ~34: the burst crowds out the loads.) */
-#define DOWN_GROUP(NAME, T, LOAD16)                                                            \
-    static void NAME(const T* W, const int64_t* rows, int64_t g, const float* h, float* part, \
-                     int64_t D) {                                                              \
-        int64_t c = 0;                                                                         \
-        for (; c + 16 <= D; c += 16) {                                                         \
-            v16 s = zero16();                                                                  \
-            for (int64_t r = 0; r < g; r++) s = smadd16(h[r], LOAD16(W + rows[r] * D + c), s); \
-            store16(part + c, add16(load16(part + c), s));                                     \
-        }                                                                                      \
-        for (; c < D; c++) {                                                                   \
-            float s = 0.0f;                                                                    \
-            for (int64_t r = 0; r < g; r++) s += h[r] * (float)W[rows[r] * D + c];             \
-            part[c] += s;                                                                      \
-        }                                                                                      \
-    }
-
-DOWN_GROUP(down_group, float, load16)
-DOWN_GROUP(down_group_i8, int8_t, load16_i8)
-
-static void down_rows(Mat W, const int64_t* rows, int64_t g, const float* h, float* part,
-                      int64_t D) {
-    if (W.scale)
-        down_group_i8((const int8_t*)W.data, rows, g, h, part, D);
-    else
-        down_group((const float*)W.data, rows, g, h, part, D);
-}
-
-/* Scratch floats sparse_mlp_step needs for up to MAX_TOKENS tokens: the indices (int64, two
-   floats each), the norms, the gate values or logits, the predictor's bottleneck, the values,
-   one partial output per thread. */
-int64_t sparse_mlp_scratch(int64_t dim, int64_t ffn, int64_t rank, int num_threads) {
-    return 2 * ffn + MAX_TOKENS * (dim + 2 * ffn + rank + (int64_t)num_threads * dim);
-}
-
-/* x[b] += the gated MLP of B <= MAX_TOKENS tokens over the active neurons only. Threshold mode
-   (pu == NULL): the gate is dense, neuron j is active for token b when |act(g_bj)| > threshold;
-   the up and down rows of the neurons active for any token are read once for all of them, and
-   each token keeps its own neurons (h_bj = 0 where j is not active for b). Predictor mode:
-   logits z = pv (pu n + pu_bias, ReLU'd for the MLP kind) + pv_bias, neuron j is active when
-   z_bj > cutoff for some token b, and every token runs the union (as torch's SparseMLP does);
-   gate, up and down read only those rows. Returns the number of neurons read (for
-   reporting), or -1 on a bad argument. */
-int64_t sparse_mlp_step(const SparseMlpLayer* L, float* x, int64_t B, float* scratch,
-                        int num_threads) {
-    const int64_t D = L->dim, F = L->ffn, R = L->rank;
-    if (B < 1 || B > MAX_TOKENS) return -1;
-    int64_t* idx = (int64_t*)scratch;  /* first, so that it is 8-byte aligned */
-    float* n = (float*)(idx + F);      /* [B, D] */
-    float* a = n + B * D;              /* [B, F]: act(gate) (threshold mode) or logits */
-    float* t = a + B * F;              /* [B, rank]: the predictor's bottleneck */
-    float* hv = t + B * R;             /* [B, F]: values of the active neurons, in idx order */
-    float* parts = hv + B * F;         /* [threads, B, D] */
-    int64_t count = 0;
-    const int predicted = L->pu != 0;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            rmsnorm(x + b * D, L->norm, L->eps, D, n + b * D);
-            for (int64_t i = 0; i < D; i++) n[b * D + i] = slot(L->in, n[b * D + i]);
-        }
-        if (predicted) {  /* z = pv act(pu n + pu_bias) + pv_bias */
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t b = 0; b < B; b++) {
-                    float z = dot(L->pu + r * D, n + b * D, D) + (L->pu_bias ? L->pu_bias[r] : 0.0f);
-                    t[b * R + r] = L->predictor_relu && z < 0.0f ? 0.0f : z;
-                }
-            #pragma omp for schedule(static)
-            for (int64_t j = 0; j < F; j++)
-                for (int64_t b = 0; b < B; b++)
-                    a[b * F + j] = dot(L->pv + j * R, t + b * R, R) + L->pv_bias[j];
-        } else if (B == 1 && L->wg.scale) {  /* int8 gate: the dense gate decides (gemv_rows) */
-            gemv_rows(L->wg, 0, n, a, F, D);
-            #pragma omp barrier
-            #pragma omp for schedule(static)
-            for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, a[j]);
-        } else if (B == 1) {  /* the dense float32 gate decides, one row at a time as in mlp_step */
-            const float* wg = (const float*)L->wg.data;
-            #pragma omp for schedule(static)
-            for (int64_t j = 0; j < F; j++) a[j] = activate(L->act, dot(wg + j * D, n, D));
-        } else {  /* several tokens: each gate row read once for all of them */
-            #pragma omp for schedule(static)
-            for (int64_t j = 0; j < F; j++) {
-                float g[MAX_TOKENS];
-                mdot_tokens(L->wg, j, n, B, D, g);
-                for (int64_t b = 0; b < B; b++) a[b * F + j] = activate(L->act, g[b]);
-            }
-        }
-        #pragma omp single
-        {
-            for (int64_t j = 0; j < F; j++) {
-                int on = 0;
-                for (int64_t b = 0; b < B; b++)
-                    on |= predicted ? a[b * F + j] > L->cutoff : fabsf(a[b * F + j]) > L->threshold;
-                if (on) idx[count++] = j;
-            }
-        }
-        if (B == 1) {
-            /* gate (predictor mode) and up rows of the active neurons, GATHER rows at a time
-               (8 neurons' gate and up, or 16 neurons' up): GATHER row streams in flight. A
-               short tail group repeats its last neuron. */
-            const int64_t per = predicted ? GATHER / 2 : GATHER;
-            #pragma omp for schedule(static)
-            for (int64_t q = 0; q < (count + per - 1) / per; q++) {
-                const int64_t i0 = q * per, m = count - i0 < per ? count - i0 : per;
-                const Mat* M[GATHER];
-                int64_t rows[GATHER];
-                float y[GATHER];
-                for (int64_t r = 0; r < GATHER; r++) {
-                    rows[r] = idx[i0 + (r % per < m ? r % per : m - 1)];
-                    M[r] = predicted && r < per ? &L->wg : &L->wu;
-                }
-                mdot_gather(M, rows, D, n, y);
-                for (int64_t r = 0; r < m; r++)
-                    hv[i0 + r] = (predicted ? activate(L->act, y[r]) : a[rows[r]]) *
-                                 y[predicted ? per + r : r];
-            }
-        } else {  /* each active row read once for all B tokens */
-            #pragma omp for schedule(static)
-            for (int64_t i = 0; i < count; i++) {
-                const int64_t j = idx[i];
-                float g[MAX_TOKENS], u[MAX_TOKENS];
-                if (predicted) {
-                    mdot_tokens2(L->wg, L->wu, j, n, B, D, g, u);
-                    for (int64_t b = 0; b < B; b++) hv[b * F + i] = activate(L->act, g[b]) * u[b];
-                } else {
-                    mdot_tokens(L->wu, j, n, B, D, u);
-                    for (int64_t b = 0; b < B; b++) {
-                        float ab = a[b * F + j];
-                        hv[b * F + i] = fabsf(ab) > L->threshold ? ab * u[b] : 0.0f;
-                    }
-                }
-            }
-        }
-        /* y[b] = sum_i hv[b, i] W_down_t[idx[i]]: groups of GROUP rows summed in registers, each
-           thread into its own partial sums, then the partials added to x. The group's rows are
-           read from memory for the first token and from cache for the others. Int8 rows: the
-           codes are summed, and the per-output scale multiplies the total (it factors out).
-           (Adding each group's down rows right after its gate and up rows, with no barrier
-           between the stages, measured no faster.) */
-        float* part = parts + (int64_t)THREAD_ID() * B * D;
-        for (int64_t c = 0; c < B * D; c++) part[c] = 0.0f;
-        #pragma omp for schedule(static)
-        for (int64_t g0 = 0; g0 < count; g0 += GROUP) {
-            int64_t g = count - g0 < GROUP ? count - g0 : GROUP;
-            for (int64_t b = 0; b < B; b++)
-                down_rows(L->wd_t, idx + g0, g, hv + b * F + g0, part + b * D, D);
-        }
-        int nt = THREADS();
-        const float* sd = L->wd_t.scale;
-        #pragma omp for schedule(static)
-        for (int64_t c = 0; c < B * D; c++) {
-            float s = 0.0f;
-            for (int p = 0; p < nt; p++) s += parts[p * B * D + c];
-            x[c] += sd ? sd[c % D] * s : s;
-        }
-    }
-    return count;
-}
+#include "step_sparse.h"
 
 /* logits[b] = W_out RMSNorm(x[b]) for B <= MAX_TOKENS tokens (the LM head; W_out [vocab, dim],
    logits [B, vocab]). Returns 1 when B is out of range. */
@@ -581,7 +280,8 @@ double isa_probe(int64_t rows, int64_t reps, int num_threads, double* seconds) {
             for (int q = 0; q < 16; q++) q4[i].codes[q] = (uint8_t)(w[(i * 16 + q) % (rows * K)] * 255.0f + 128.0f);
         }
         for (int64_t i = 0; i < B * K; i++) X[i] = w[i];
-        const Mat mf = {w, 0, 0, 0}, mt = {wt, 0, rows, 0}, m8 = {q8, scale, 0, 0}, m4 = {q4, 0, 0, 1};
+        const Mat mf = {w, 0, 0, FMT_F32}, mt = {wt, 0, rows, FMT_F32};
+        const Mat m8 = {q8, scale, 0, FMT_I8}, m4 = {q4, 0, 0, FMT_Q4};
         check = 0.0;
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);

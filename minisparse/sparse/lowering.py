@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..core.model import RMSNorm
-from ..kernels.abi import Mat, Slot, SparseMlpLayer
+from ..kernels.abi import FORMAT_CODES, Mat, Slot, SparseMlpLayer
 from ..runtime.lowering import activation_of, lowers, plain_f32, ptr, selector_of
 from .mlp import SparseMLP
 
@@ -27,13 +27,16 @@ def sparse_weights(mlp: SparseMLP) -> list[Mat] | None:
     layout the C step reads."""
     if not mlp.int8:
         weights = (mlp.W_gate, mlp.W_up, mlp.W_down_t)
-        return [Mat(w.data_ptr(), None, 0) for w in weights] if plain_f32(*weights) else None
+        if not plain_f32(*weights):
+            return None
+        return [Mat(w.data_ptr(), None, 0, FORMAT_CODES["f32"]) for w in weights]
     codes, scales = (mlp.Q_gate, mlp.Q_up, mlp.Q_down_t), (mlp.s_gate, mlp.s_up, mlp.s_down)
     if not all(
         q.device.type == "cpu" and q.dtype == torch.int8 and q.is_contiguous() for q in codes
     ) or not plain_f32(*scales):
         return None
-    return [Mat(q.data_ptr(), s.data_ptr(), 0) for q, s in zip(codes, scales, strict=True)]
+    i8 = FORMAT_CODES["i8"]
+    return [Mat(q.data_ptr(), s.data_ptr(), 0, i8) for q, s in zip(codes, scales, strict=True)]
 
 
 @lowers("mlp", SparseMLP)

@@ -32,6 +32,7 @@ from .methods import (
     SparsityMethod,
     register_sparsity,
     sparsity_method,
+    teal_model,
 )
 from .savings import ProjectionSavings, projection_skips, savings
 from .stats import (
@@ -105,6 +106,7 @@ __all__ = [
     "savings",
     "site_width",
     "sparsity_method",
+    "teal_model",
     "thresholds_applied",
     "thresholds_at",
     "top_share",

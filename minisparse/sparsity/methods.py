@@ -26,14 +26,15 @@ Chapter 04's ``relu`` (the fine-tuned ReLU model's exact zeros) registers in ``m
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from ..core.model import Transformer
 from ..core.registry import Registry
-from .thresholds import apply_thresholds_, calibrate_thresholds, cats_thresholds
+from .stats import SparsityStats, record
+from .thresholds import apply_thresholds_, cats_thresholds, thresholds_at
 
 __all__ = [
     "SPARSITY_METHODS",
@@ -41,6 +42,7 @@ __all__ = [
     "SparsityMethod",
     "register_sparsity",
     "sparsity_method",
+    "teal_model",
     "unchanged",
 ]
 
@@ -63,6 +65,7 @@ class SparsityMethod:
     calibrated: bool  # needs calibration token ids
     model: Maker
     thresholds: Limits | None = None
+    sites: tuple[str, ...] = ()  # where it makes zeros (``sparsity.stats``' site names)
 
     @property
     def neurons(self) -> bool:
@@ -84,16 +87,33 @@ def _cats(model: Transformer, calibration: Tensor | None, share: float) -> list[
     return cats_thresholds(model, calibration, share)
 
 
+def teal_model(
+    model: Transformer,
+    calibration: Tensor,
+    share: float,
+    sites: Sequence[str] = TEAL_SITES,
+    stats: SparsityStats | None = None,
+) -> Transformer:
+    """TEAL, set up in this one place: a copy of ``model`` whose inputs at ``sites`` pass a
+    magnitude threshold t_site,l, the ``share``-quantile of |x| on the calibration tokens
+    (``thresholds_at``). ``stats`` recorded once on the calibration text serve every share
+    (a sweep); without them they are recorded here. The engine, ``bench sparse-decode`` and
+    ``bench engine`` run every site (``TEAL_SITES``); the pruning sweep the MLP's only, beside
+    weight pruning of the MLP."""
+    stats = stats or record(model, calibration, tuple(sites), progress=False)
+    return apply_thresholds_(copy.deepcopy(model), thresholds_at(stats, share, tuple(sites)))
+
+
 def _teal(model: Transformer, calibration: Tensor | None, share: float) -> Transformer:
     assert calibration is not None
-    limits = calibrate_thresholds(model, calibration, share, sites=TEAL_SITES, progress=False)
-    return apply_thresholds_(copy.deepcopy(model), limits)
+    return teal_model(model, calibration, share)
 
 
 register_sparsity(
     SparsityMethod(
         name="cats",
         chapter="03",
+        sites=("mlp_act",),
         summary="thresholds on |act(W_gate x)|: skip up/down rows (CATS)",
         calibrated=True,
         model=unchanged,
@@ -104,6 +124,7 @@ register_sparsity(
     SparsityMethod(
         name="teal",
         chapter="03",
+        sites=TEAL_SITES,
         summary="thresholds on every projection's input: skip its rows (TEAL)",
         calibrated=True,
         model=_teal,

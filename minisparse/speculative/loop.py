@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.generate import (
+from ..core.model import Transformer, check_count, make_cache
+from ..core.sampling import (
     Prompt,
     check_length,
     check_prompt_ids,
@@ -57,7 +58,6 @@ from ..core.generate import (
     make_generator,
     stop_ids,
 )
-from ..core.model import Transformer, check_count, make_cache
 from ..runtime.decoder import MAX_TOKENS, Decoder
 from .adaptive import AdaptiveGamma, linear_verify_cost
 from .drafts import (

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.generate import check_sampling, logits_to_probs
+from ..core.sampling import check_sampling, logits_to_probs
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,11 @@ from torch import Tensor
 from ...core.attention import tiled_attention
 from ...kvcache.eviction import h2o_keep
 from ...kvcache.paged import BlockManager
-from ..grading import Exercise, equal, loose, register
+from ..grading import Exercise, draw_int, equal, loose, register
 
 __all__: list[str] = []
 
 Cases = list[tuple[Any, ...]]
-
-
-def _draw(gen: torch.Generator, lo: int, hi: int) -> int:
-    return int(torch.randint(lo, hi, (1,), generator=gen))
 
 
 def _tiled_cases(gen: torch.Generator) -> Cases:
@@ -64,9 +60,10 @@ register(
     Exercise(
         "02",
         "tiled_attention(q [b, H, t, d], k [b, G, n, d], v [b, G, n, d], block) -> [b, H, t, d]: "
-        "causal GQA attention (queries the last t of the n tokens) computed over blocks of "
-        "`block` keys with an online softmax: a running max m, running sum l and running "
-        "output a per query row, rescaled by exp(m_old - m_new) at each block; O = a / l",
+        "causal GQA attention (queries the last t of the n tokens, scores q k^T / sqrt(d)) "
+        "computed over blocks of `block` keys with an online softmax: a running max m, running "
+        "sum l and running output a per query row, rescaled by exp(m_old - m_new) at each "
+        "block; O = a / l",
         _tiled,
         _tiled_cases,
         loose,
@@ -86,8 +83,8 @@ def _script_cases(gen: torch.Generator) -> Cases:
         script: list[tuple[int | str, ...]] = [("add",)]
         live = 1
         for _ in range(24):
-            roll = _draw(gen, 0, 10)
-            i = _draw(gen, 0, live) if live else 0
+            roll = draw_int(gen, 0, 10)
+            i = draw_int(gen, 0, live) if live else 0
             if live == 0 or roll == 0:
                 script.append(("add",))
                 live += 1
@@ -98,7 +95,7 @@ def _script_cases(gen: torch.Generator) -> Cases:
                 script.append(("free", i))
                 live -= 1
             else:  # append tokens; now and then rewrite the last one first (a rolled-back draft)
-                script.append(("write", i, _draw(gen, 1, 8), int(roll == 9)))
+                script.append(("write", i, draw_int(gen, 1, 8), int(roll == 9)))
         out.append((256, block_size, script))
     return out
 

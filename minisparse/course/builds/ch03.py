@@ -42,7 +42,7 @@ from ...core.config import ModelConfig
 from ...core.model import Transformer, init_weights_
 from ...sparsity.stats import BINS_PER_DECADE, LOG10_MIN, SiteStats, record
 from ...sparsity.thresholds import thresholds_at
-from ..grading import Exercise, register
+from ..grading import Exercise, draw_int, register
 
 __all__ = ["TinyModel"]
 
@@ -76,10 +76,6 @@ class TinyModel:
         return f"TinyModel(seed={self.seed}, {self.n_layers} layers)"
 
 
-def _draw(gen: torch.Generator, lo: int, hi: int) -> int:
-    return int(torch.randint(lo, hi, (1,), generator=gen))
-
-
 # --- SiteStats ---------------------------------------------------------------------------------
 
 
@@ -111,7 +107,7 @@ def _batch(
 
 def _stats_cases(gen: torch.Generator) -> Cases:
     """(width, qs, batch, batch, ...) per case: a script of updates, then the quantiles at qs."""
-    w = _draw(gen, 3, 9)
+    w = draw_int(gen, 3, 9)
     return [
         (1, (0.0, 0.5, 0.9), _batch(gen, (0, 1))),  # nothing seen yet
         (w, (0.1, 0.5, 0.9), _batch(gen, (4, w)), _batch(gen, (2, 3, w))),  # 3-D: [b, seq, w]
@@ -215,10 +211,10 @@ def _calibration_cases(gen: torch.Generator) -> Cases:
     """(tiny model, token batches, sparsities, sites, the library's SiteStats) per case."""
     all_sites = ("attn_in", "mlp_in", "mlp_act", "down_in")
     settings = (  # model, rows, seq, sparsities, sites
-        (TinyModel(_draw(gen, 0, 1000), float64=True), 3, 9, (0.5,), ("mlp_act", "down_in")),
-        (TinyModel(_draw(gen, 0, 1000), 3, 16, 36, True), 5, 7, (0.0, 0.25, 0.9), all_sites),
-        (TinyModel(_draw(gen, 0, 1000), 1, float64=True), 1, 2, (0.4,), ("mlp_act",)),
-        (TinyModel(_draw(gen, 0, 1000), float64=True), 6, 5, (0.7, 0.3), ("mlp_in", "mlp_act")),
+        (TinyModel(draw_int(gen, 0, 1000), float64=True), 3, 9, (0.5,), ("mlp_act", "down_in")),
+        (TinyModel(draw_int(gen, 0, 1000), 3, 16, 36, True), 5, 7, (0.0, 0.25, 0.9), all_sites),
+        (TinyModel(draw_int(gen, 0, 1000), 1, float64=True), 1, 2, (0.4,), ("mlp_act",)),
+        (TinyModel(draw_int(gen, 0, 1000), float64=True), 6, 5, (0.7, 0.3), ("mlp_in", "mlp_act")),
     )
     return [
         (spec, spec.tokens(gen, rows, seq), sparsities, sites, SiteStats)

@@ -43,16 +43,12 @@ from ...relufy.finetune import (
     trainable_parameters,
 )
 from ...relufy.recipe import relufy
-from ..grading import Exercise, register
+from ..grading import Exercise, draw_int, register
 from .ch03 import TinyModel
 
 __all__: list[str] = []
 
 Cases = list[tuple[Any, ...]]
-
-
-def _draw(gen: torch.Generator, lo: int, hi: int) -> int:
-    return int(torch.randint(lo, hi, (1,), generator=gen))
 
 
 def _numbers(values: Any) -> str:
@@ -83,7 +79,7 @@ def _swap_cases(gen: torch.Generator) -> Cases:
     out: Cases = []
     for stage in (1, 2):
         for layers, seq in ((1, 1), (2, 7), (3, 12)):
-            spec = TinyModel(_draw(gen, 0, 1000), layers)
+            spec = TinyModel(draw_int(gen, 0, 1000), layers)
             out.append((spec, stage, spec.tokens(gen, 2, seq)))
     return out
 
@@ -161,7 +157,7 @@ def _step_cases(gen: torch.Generator) -> Cases:
     )
     out: Cases = []
     for layers, batch, seq, trainable, w, temperature, clip in settings:
-        spec = TinyModel(_draw(gen, 0, 1000), layers)
+        spec = TinyModel(draw_int(gen, 0, 1000), layers)
         config = FinetuneConfig(
             lr=0.5, trainable=trainable, kd_weight=w, temperature=temperature, grad_clip=clip,
             bf16=False,

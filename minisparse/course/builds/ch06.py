@@ -35,15 +35,11 @@ from typing import Any
 import torch
 
 from ...predictors.lowrank import Predictor, fit, init_random, recall_cutoff
-from ..grading import Exercise, close, near, register
+from ..grading import Exercise, close, draw_int, near, register
 
 __all__: list[str] = []
 
 Cases = list[tuple[Any, ...]]
-
-
-def _draw(gen: torch.Generator, lo: int, hi: int) -> int:
-    return int(torch.randint(lo, hi, (1,), generator=gen))
 
 
 @dataclass(frozen=True)
@@ -73,14 +69,14 @@ def _train_cases(gen: torch.Generator) -> Cases:
         (29, 8, 3, 13, "mlp", 0, 8, 2.0),
     )  # fmt: skip
     for tokens, dim, rank, units, kind, epochs, batch, weight in shapes:
-        start = _Start(dim, rank, units, kind, _draw(gen, 0, 1000))
+        start = _Start(dim, rank, units, kind, draw_int(gen, 0, 1000))
         x = torch.randn(tokens, dim, generator=gen)
         rule = torch.randn(units, dim, generator=gen)
         y = x @ rule.T > 0.5  # a rule the predictor can learn, about 30 % active
-        out.append((start, x, y, epochs, batch, 1e-2, weight, _draw(gen, 0, 1000)))
+        out.append((start, x, y, epochs, batch, 1e-2, weight, draw_int(gen, 0, 1000)))
     x = torch.randn(21, 8, generator=gen)  # nothing active: every logit is pushed down
     empty = torch.zeros(21, 6, dtype=torch.bool)
-    out.append((_Start(8, 2, 6, "lowrank", _draw(gen, 0, 1000)), x, empty, 2, 4, 1e-2, 2.0, 3))
+    out.append((_Start(8, 2, 6, "lowrank", draw_int(gen, 0, 1000)), x, empty, 2, 4, 1e-2, 2.0, 3))
     return out
 
 
