@@ -13,7 +13,7 @@ from conftest import tiny_model
 from minisparse import sparsity as S
 from minisparse.core.hooks import capture_outputs
 from minisparse.core.model import flops_per_token
-from minisparse.io.eval import mean_nll
+from minisparse.io.eval import mean_nll, window_nlls
 from minisparse.relufy import relufy
 
 
@@ -95,6 +95,14 @@ def test_measure_counts_the_zeros_of_every_site_and_the_perplexity(stage):
         assert got[f"zeros_{site}"] == pytest.approx(direct, abs=1e-12)
     assert got["ppl"] == pytest.approx(math.exp(mean_nll(model, ids, seq_len=16, progress=False)))
     assert (got["zeros_attn_in"] > 0.2) == (stage == 2)
+
+
+def test_measure_with_nlls_gives_each_windows_nll_from_the_same_pass():
+    model, ids = tiny(), tokens(4, (64,))
+    got, nlls = S.measure_with_nlls(model, ids, seq_len=16)
+    assert got == S.measure(model, ids, seq_len=16)
+    assert torch.equal(nlls, window_nlls(model, ids, seq_len=16, progress=False))
+    assert nlls.shape == (4,) and got["ppl"] == pytest.approx(math.exp(float(nlls.mean())))
 
 
 def test_sites_see_what_the_projections_see():

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from ..core.hooks import capture_outputs
 from ..core.model import Transformer
-from ..io.eval import mean_nll
+from ..io.eval import window_nlls
 
 SITES = ("attn_in", "mlp_in", "mlp_act", "down_in", "heads")
 #: Sites with a module slot in every layer: (owner, attribute) of the module whose output it is.
@@ -328,18 +328,26 @@ def measure(model: Transformer, eval_ids: torch.Tensor, seq_len: int = 256) -> d
     The zeros at a site are the mean over layers of each layer's share (as
     ``SparsityStats.zero_fraction``); only the counts are kept, not ``record``'s histograms.
     """
+    return measure_with_nlls(model, eval_ids, seq_len)[0]
+
+
+def measure_with_nlls(
+    model: Transformer, eval_ids: torch.Tensor, seq_len: int = 256
+) -> tuple[dict[str, float], Tensor]:
+    """``measure``'s numbers and, from the same pass, each window's mean NLL (``window_nlls``):
+    what a paired comparison with another model on the same windows needs."""
     n = len(model.layers)
     slots = {f"{site}.{i}": getattr(*SLOTS[site](layer)) for site in SLOTS
              for i, layer in enumerate(model.layers)}  # fmt: skip
     with capture_outputs(slots, reduce=zero_count) as counts:
-        nll = mean_nll(model, eval_ids, seq_len=seq_len, progress=False)
+        nlls = window_nlls(model, eval_ids, seq_len=seq_len, progress=False)
 
     def share(key: str) -> float:
         zeros, entries = torch.stack(counts[key]).sum(0).tolist()
         return zeros / max(entries, 1)
 
     zeros = {f"zeros_{site}": sum(share(f"{site}.{i}") for i in range(n)) / n for site in SLOTS}
-    return {"ppl": math.exp(nll), **zeros}
+    return {"ppl": math.exp(float(nlls.mean())), **zeros}, nlls
 
 
 def zero_count(x: Tensor) -> Tensor:
@@ -362,6 +370,7 @@ __all__ = [
     "head_norms",
     "lorenz_curve",
     "measure",
+    "measure_with_nlls",
     "per_layer",
     "record",
     "recording",
